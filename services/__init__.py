@@ -1,0 +1,1 @@
+"""sssd-serve: lossless speculative decoding services (SSSD drafter, verifier, speculator, indexer)."""

@@ -1,0 +1,53 @@
+// Per-sequence trie over prompt + self-output (seeds/000, Appendix A.1, Algorithm 1).
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <span>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "count_tree.h"
+
+namespace sssd {
+
+// A match of a suffix of the prefix in the trie: the node where the walk ended and its length m.
+struct InputMatch {
+  int32_t node;
+  int32_t match_len;
+};
+
+class InputTrie {
+ public:
+  explicit InputTrie(int32_t branch_len);
+
+  // Inserts the windows that `tokens` completes or starts; equal to a rebuild over the whole
+  // sequence (every window of branch_len tokens, shorter ones at the end).
+  void append(std::span<const int32_t> tokens);
+
+  // Algorithm 1: every suffix of the last `prefix_len` tokens found in the trie, longest first.
+  std::vector<InputMatch> match(int32_t prefix_len) const;
+
+  const CountTree& tree() const { return tree_; }
+  const std::vector<int32_t>& tokens() const { return tokens_; }
+  int32_t branch_len() const { return branch_len_; }
+
+  // A batch call locks each sequence it touches so that concurrent calls naming the same
+  // sequence (a caller bug, but possible over the wire) serialize instead of racing.
+  std::mutex& mutex() { return mutex_; }
+
+ private:
+  int32_t child(int32_t parent, int32_t token) const;
+  int32_t add_child(int32_t parent, int32_t token);
+
+  int32_t branch_len_;
+  CountTree tree_;
+  std::unordered_map<int32_t, int32_t> root_children_;  // token -> node, the root is wide
+  std::vector<int32_t> tokens_;                          // the whole sequence
+  // Windows still growing: (node where the window ends, its length), oldest first.
+  std::vector<std::pair<int32_t, int32_t>> open_windows_;
+  std::mutex mutex_;
+};
+
+}  // namespace sssd

@@ -1,0 +1,91 @@
+#include "merge.h"
+
+#include <algorithm>
+
+namespace sssd {
+namespace {
+
+// Max-heap order: higher priority first, then the deeper node, then the earlier push.
+struct EntryLess {
+  bool operator()(const MergeScratch::Entry& a, const MergeScratch::Entry& b) const {
+    if (a.priority != b.priority) return a.priority < b.priority;
+    if (a.depth != b.depth) return a.depth < b.depth;
+    return a.sequence > b.sequence;
+  }
+};
+
+// Returns the child of draft node `parent` with `token`, appending it if absent.
+int32_t insert_token(DraftTree& tree, int32_t parent, int32_t token, double priority) {
+  for (int32_t i = parent + 1; i < tree.size(); ++i) {
+    if (tree.parents[i] == parent && tree.token_ids[i] == token) return i;
+  }
+  tree.token_ids.push_back(token);
+  tree.parents.push_back(parent);
+  tree.probs.push_back(static_cast<float>(priority));
+  return tree.size() - 1;
+}
+
+}  // namespace
+
+std::vector<MergeSource> make_sources(const CountTree* datastore_tree, const InputTrie& trie,
+                                      const std::vector<InputMatch>& matches,
+                                      const DrafterParams& params) {
+  std::vector<MergeSource> sources;
+  sources.reserve(matches.size() + 1);
+  if (datastore_tree != nullptr && datastore_tree->node(0).first_child != -1) {
+    sources.push_back(MergeSource{datastore_tree, 0, params.datastore_discount,
+                                  params.datastore_child_discount});
+  }
+  for (const InputMatch& match : matches) {
+    sources.push_back(MergeSource{
+        &trie.tree(), match.node, params.input_discount,
+        params.input_child_discount_base + params.input_child_discount_per_match * match.match_len});
+  }
+  return sources;
+}
+
+void merge_sources(std::span<const MergeSource> sources, int32_t root_token, int32_t dec_len,
+                   MergeScratch& scratch, DraftTree& out) {
+  out.token_ids.assign(1, root_token);
+  out.parents.assign(1, -1);
+  out.probs.assign(1, 1.0f);
+  if (dec_len <= 1) return;
+
+  auto& heap = scratch.heap;
+  heap.clear();
+  int64_t sequence = 0;
+  const EntryLess less;
+  auto push = [&](MergeScratch::Entry entry) {
+    entry.sequence = sequence++;
+    heap.push_back(entry);
+    std::push_heap(heap.begin(), heap.end(), less);
+  };
+
+  for (int32_t s = 0; s < static_cast<int32_t>(sources.size()); ++s) {
+    const MergeSource& source = sources[s];
+    const CountNode& root = source.tree->node(source.root);
+    for (int32_t c = root.first_child; c != -1; c = source.tree->node(c).next_sibling) {
+      const double priority =
+          (static_cast<double>(source.tree->node(c).count) / static_cast<double>(root.count)) *
+          source.discount;
+      push({priority, 1, 0, s, c, 0});
+    }
+  }
+
+  while (!heap.empty() && out.size() < dec_len) {
+    std::pop_heap(heap.begin(), heap.end(), less);
+    const MergeScratch::Entry entry = heap.back();
+    heap.pop_back();
+    const MergeSource& source = sources[entry.source];
+    const CountNode& node = source.tree->node(entry.node);
+    const int32_t draft_node = insert_token(out, entry.parent, node.token, entry.priority);
+    for (int32_t c = node.first_child; c != -1; c = source.tree->node(c).next_sibling) {
+      const double priority =
+          (static_cast<double>(source.tree->node(c).count) / static_cast<double>(node.count)) *
+          entry.priority * source.child_discount;
+      push({priority, entry.depth + 1, 0, entry.source, c, draft_node});
+    }
+  }
+}
+
+}  // namespace sssd

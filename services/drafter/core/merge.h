@@ -1,0 +1,46 @@
+// Merging candidate trees from several sources into one draft tree (seeds/000, Algorithm 3).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "count_tree.h"
+#include "draft_tree.h"
+#include "input_trie.h"
+#include "params.h"
+
+namespace sssd {
+
+// One source tree for the merge: the subtree of `tree` rooted at `root`, with its discounts.
+struct MergeSource {
+  const CountTree* tree;
+  int32_t root;
+  double discount;        // factor on first-level priorities
+  double child_discount;  // factor per level below the first
+};
+
+// Scratch memory that a worker thread reuses across calls.
+struct MergeScratch {
+  struct Entry {
+    double priority;
+    int32_t depth;
+    int64_t sequence;  // push order, the last tie-breaker
+    int32_t source;
+    int32_t node;
+    int32_t parent;    // draft-tree node the token goes under
+  };
+  std::vector<Entry> heap;
+};
+
+// Algorithm 3 with the tie-breaking of ALGORITHM.md. `dec_len` counts the root.
+void merge_sources(std::span<const MergeSource> sources, int32_t root_token, int32_t dec_len,
+                   MergeScratch& scratch, DraftTree& out);
+
+// The sources of one sequence in ALGORITHM.md order: the datastore tree (if it has children),
+// then the input matches, longest first.
+std::vector<MergeSource> make_sources(const CountTree* datastore_tree, const InputTrie& trie,
+                                      const std::vector<InputMatch>& matches,
+                                      const DrafterParams& params);
+
+}  // namespace sssd

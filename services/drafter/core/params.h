@@ -1,0 +1,24 @@
+// Tunable constants of the SSSD drafter (seeds/000, Appendix A). Defaults are the paper's.
+// ALGORITHM.md beside this directory defines how each one is used.
+#pragma once
+
+#include <cstdint>
+
+namespace sssd {
+
+struct DrafterParams {
+  int32_t prefix_len = 4;             // P: longest suffix of the sequence used as a lookup key
+  int32_t branch_len = 8;             // input-trie window; longest datastore continuation
+  int32_t max_continuations = 100;    // datastore samples per prefix length, all shards together
+  int32_t min_tree_nodes = 50;        // shorten the datastore prefix while the tree is smaller
+  double datastore_discount = 1.0;    // first-level factor, datastore source
+  double input_discount = 0.6;        // first-level factor, input-trie sources
+  double datastore_child_discount = 1.0;
+  double input_child_discount_base = 0.6;       // input child discount = base + per_match * m
+  double input_child_discount_per_match = 0.1;
+
+  // Returns an empty string when every field is in range, else what is wrong.
+  const char* validate() const;
+};
+
+}  // namespace sssd

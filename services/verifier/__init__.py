@@ -1,0 +1,1 @@
+"""sssd.verifier"""
