@@ -1,0 +1,43 @@
+"""The one draft-tree shape of the project, shared by the drafter, the verifier and the protos.
+
+A draft tree is `token_ids` + `parents` (+ `probs`), parents before children. Node 0 is the root:
+the last accepted token of the sequence, with parent -1. Everything else (attention mask, position
+ids, paths) is derived from `parents` on the verifier side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    token_ids: np.ndarray  # [num_nodes] int32; token_ids[0] is the last accepted token
+    parents: np.ndarray  # [num_nodes] int32; -1 for the root, else an index < own index
+    probs: np.ndarray | None = None  # [num_nodes] float32; drafter's estimate, 1.0 at the root
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def root_token(self) -> int:
+        return int(self.token_ids[0])
+
+    def depths(self) -> np.ndarray:
+        """[num_nodes] int32: 0 for the root, parent's depth + 1 otherwise."""
+        depths = np.zeros(self.num_nodes, dtype=np.int32)
+        for node in range(1, self.num_nodes):
+            depths[node] = depths[self.parents[node]] + 1
+        return depths
+
+    @classmethod
+    def root_only(cls, token_id: int) -> "DraftTree":
+        """The tree of plain autoregressive decoding: the last accepted token alone."""
+        return cls(
+            token_ids=np.array([token_id], dtype=np.int32),
+            parents=np.array([-1], dtype=np.int32),
+            probs=np.ones(1, dtype=np.float32),
+        )

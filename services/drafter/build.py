@@ -1,0 +1,131 @@
+"""Offline datastore building: documents of token ids -> shards + manifest (`sssd-build-datastore`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from sssd.drafter.manifest import EMPTY_MANIFEST, Manifest, read_manifest, write_manifest
+from sssd.drafter.shard import make_stream, write_shard
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SHARD_TOKENS = 512 * 1024 * 1024  # the paper's sub-index size
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:06d}"
+
+
+def next_shard_index(manifest: Manifest, datastore_dir: Path) -> int:
+    """One past the highest shard number ever used here, so names are never reused."""
+    used = [int(p.name.split("-")[1]) for p in datastore_dir.glob("shard-*") if p.is_dir()
+            and p.name.split("-")[1].isdigit()]
+    used += [int(name.split("-")[1]) for name in manifest.shards]
+    return max(used, default=-1) + 1
+
+
+def _batches(
+    documents: Iterable[Sequence[int] | np.ndarray], shard_tokens: int
+) -> Iterator[list[np.ndarray]]:
+    """Groups documents so that each group's stream (with separators) fits in shard_tokens."""
+    batch: list[np.ndarray] = []
+    size = 0
+    for document in documents:
+        tokens = np.asarray(document, dtype=np.int64)
+        if tokens.size == 0:
+            continue
+        if tokens.size + 1 > shard_tokens:
+            tokens = tokens[: shard_tokens - 1]  # a document never spans shards
+        if size + tokens.size + 1 > shard_tokens and batch:
+            yield batch
+            batch, size = [], 0
+        batch.append(tokens)
+        size += tokens.size + 1
+    if batch:
+        yield batch
+
+
+def build_datastore(
+    datastore_dir: str | os.PathLike,
+    documents: Iterable[Sequence[int] | np.ndarray],
+    vocab_size: int,
+    tokenizer_fingerprint: str,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    max_shards: int = 8,
+    progress: bool = False,
+) -> Manifest:
+    """Appends shards built from `documents` to the datastore and publishes a new manifest.
+
+    When more than `max_shards` would be active, the oldest are dropped from the manifest (their
+    directories stay until removed by the operator or the indexer).
+    """
+    if shard_tokens < 2:
+        raise ValueError("shard_tokens must be >= 2")
+    if max_shards < 1:
+        raise ValueError("max_shards must be >= 1")
+    directory = Path(datastore_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest = read_manifest(directory) or EMPTY_MANIFEST
+    index = next_shard_index(manifest, directory)
+    names = list(manifest.shards)
+    bar = tqdm(desc="shards", unit="shard", disable=not progress)
+    for batch in _batches(documents, shard_tokens):
+        stream = make_stream(batch, vocab_size)
+        name = shard_name(index)
+        write_shard(directory / name, stream, vocab_size, tokenizer_fingerprint)
+        logger.info("wrote %s: %d tokens, %d documents", name, stream.shape[0], len(batch))
+        names.append(name)
+        index += 1
+        bar.update(1)
+    bar.close()
+    names = names[-max_shards:]
+    new_manifest = manifest.next(tuple(names), manifest.last_entry_id)
+    write_manifest(directory, new_manifest)
+    return new_manifest
+
+
+def _read_token_documents(path: Path) -> Iterator[list[int]]:
+    """JSONL where each line is a list of token ids or {"token_ids": [...]}."""
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not JSON: {exc}") from exc
+            yield record["token_ids"] if isinstance(record, dict) else record
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="sssd-build-datastore",
+        description="Build datastore shards from a JSONL file of token-id documents "
+        '(each line a list of ids or {"token_ids": [...]}) and publish a new manifest.',
+    )
+    parser.add_argument("datastore_dir", help="directory of manifest.json and the shards")
+    parser.add_argument("input", help="JSONL file of token-id documents")
+    parser.add_argument("--vocab-size", type=int, required=True)
+    parser.add_argument("--tokenizer-fingerprint", required=True)
+    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
+    parser.add_argument("--max-shards", type=int, default=8)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    manifest = build_datastore(
+        args.datastore_dir, _read_token_documents(Path(args.input)), args.vocab_size,
+        args.tokenizer_fingerprint, args.shard_tokens, args.max_shards, progress=True,
+    )
+    print(f"manifest v{manifest.version}: {len(manifest.shards)} shards in {args.datastore_dir}")
+
+
+if __name__ == "__main__":
+    main()

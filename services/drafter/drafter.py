@@ -1,0 +1,200 @@
+"""The in-process SSSD drafter: per-sequence input tries plus the shared datastore.
+
+This is the pure core of the drafter service: the gRPC servicer only translates messages into
+`DraftRequest`s and exceptions into status codes. Every input is validated before any state
+changes, so a refused call leaves the drafter exactly as it was.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from sssd.common.draft_tree import DraftTree
+from sssd.drafter import _core
+from sssd.drafter.config import DrafterConfig
+from sssd.drafter.datastore import DatastoreWatcher
+
+
+class SequenceNotFound(KeyError):
+    """Continuation for sequences the drafter holds no state for: re-send their full context."""
+
+    def __init__(self, seq_ids: list[str]) -> None:
+        super().__init__(seq_ids)
+        self.seq_ids = seq_ids
+
+    def __str__(self) -> str:
+        return f"unknown sequence ids (re-send the full context with is_start): {self.seq_ids}"
+
+
+class CapacityError(RuntimeError):
+    """The sequence table is full."""
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    seq_id: str  # caller's sequence id, unique among live sequences
+    token_ids: np.ndarray | Sequence[int]  # [num_new_tokens]; the full context when is_start
+    budget: int  # draft-tree nodes, root included (s_q); 1 means no speculation
+    is_start: bool = False  # token_ids is the whole context: (re)start the sequence
+
+
+@dataclass
+class _Sequence:
+    trie: _core.InputTrie
+    num_tokens: int
+
+
+class Drafter:
+    """Implements the project's drafting interface: `propose(requests) -> list[DraftTree]`."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        self.config = config
+        self._core = _core.Drafter(config.params.to_core(), config.resolved_num_threads)
+        self._sequences: dict[str, _Sequence] = {}
+        self._lock = threading.Lock()
+        self.watcher: DatastoreWatcher | None = None
+        if config.datastore_dir is not None:
+            self.watcher = DatastoreWatcher(
+                config.datastore_dir,
+                vocab_size=config.vocab_size,
+                max_continuations=config.params.max_continuations,
+                tokenizer_fingerprint=config.tokenizer_fingerprint,
+                verify_checksums=config.verify_checksums,
+                poll_interval_s=config.poll_interval_s,
+            )
+
+    def start(self) -> None:
+        """Loads the datastore and starts watching its manifest."""
+        if self.watcher is not None:
+            self.watcher.start()
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._sequences)
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
+        """Appends each request's tokens to its sequence and drafts a tree per request.
+
+        Raises ValueError for malformed input, SequenceNotFound for continuations of unknown
+        sequences, CapacityError when too many sequences are live; nothing changes on error.
+        """
+        token_arrays, cu_num_new_tokens, budgets = self._validate(requests)
+        with self._lock:
+            missing = [r.seq_id for r in requests
+                       if not r.is_start and r.seq_id not in self._sequences]
+            if missing:
+                raise SequenceNotFound(missing)
+            num_new = sum(1 for r in requests if r.seq_id not in self._sequences)
+            if len(self._sequences) + num_new > self.config.max_sequences:
+                raise CapacityError(
+                    f"{len(self._sequences)} live sequences + {num_new} new exceeds "
+                    f"max_sequences={self.config.max_sequences}; end finished sequences first"
+                )
+            tries = []
+            for request, tokens in zip(requests, token_arrays):
+                if request.is_start:
+                    # A fresh trie replaces the old state only after the call succeeds.
+                    tries.append(_core.InputTrie(self.config.params.branch_len))
+                    continue
+                state = self._sequences[request.seq_id]
+                if state.num_tokens + tokens.shape[0] > self.config.max_tokens_per_sequence:
+                    raise ValueError(
+                        f"sequence {request.seq_id!r} would hold "
+                        f"{state.num_tokens + tokens.shape[0]} tokens, more than "
+                        f"max_tokens_per_sequence={self.config.max_tokens_per_sequence}"
+                    )
+                tries.append(state.trie)
+
+        datastore = self.watcher.current if self.watcher is not None else None
+        new_tokens = (np.concatenate(token_arrays) if token_arrays
+                      else np.empty(0, dtype=np.int32))
+        token_ids, parents, probs, cu_num_nodes = self._core.propose(
+            datastore.core if datastore is not None else None,
+            tries, new_tokens, cu_num_new_tokens, budgets,
+        )
+
+        with self._lock:
+            for request, tokens, trie in zip(requests, token_arrays, tries):
+                if request.is_start:
+                    self._sequences[request.seq_id] = _Sequence(trie, int(tokens.shape[0]))
+                else:
+                    state = self._sequences.get(request.seq_id)
+                    if state is not None and state.trie is trie:
+                        state.num_tokens += int(tokens.shape[0])
+        return [
+            DraftTree(token_ids[begin:end], parents[begin:end], probs[begin:end])
+            for begin, end in zip(cu_num_nodes[:-1], cu_num_nodes[1:])
+        ]
+
+    def _validate(
+        self, requests: Sequence[DraftRequest]
+    ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        config = self.config
+        if not requests:
+            raise ValueError("empty batch: send at least one sequence")
+        if len(requests) > config.max_batch_size:
+            raise ValueError(
+                f"batch of {len(requests)} sequences exceeds max_batch_size={config.max_batch_size}"
+            )
+        seen: set[str] = set()
+        token_arrays: list[np.ndarray] = []
+        budgets = np.empty(len(requests), dtype=np.int32)
+        for row, request in enumerate(requests):
+            if not request.seq_id:
+                raise ValueError(f"row {row}: seq_id must be a non-empty string")
+            if request.seq_id in seen:
+                raise ValueError(f"seq_id {request.seq_id!r} appears twice in one batch")
+            seen.add(request.seq_id)
+            if not 1 <= request.budget <= config.max_budget:
+                raise ValueError(
+                    f"seq_id {request.seq_id!r}: budget {request.budget} outside "
+                    f"[1, {config.max_budget}]"
+                )
+            budgets[row] = request.budget
+            tokens = np.asarray(request.token_ids)
+            if tokens.ndim != 1 or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
+                raise ValueError(f"seq_id {request.seq_id!r}: token_ids must be a flat list of ints")
+            if request.is_start and tokens.size == 0:
+                raise ValueError(f"seq_id {request.seq_id!r}: is_start needs the full context, got "
+                                 "no tokens")
+            if tokens.size > config.max_tokens_per_sequence:
+                raise ValueError(
+                    f"seq_id {request.seq_id!r}: {tokens.size} tokens exceed "
+                    f"max_tokens_per_sequence={config.max_tokens_per_sequence}"
+                )
+            if tokens.size and (tokens.min() < 0 or tokens.max() >= config.vocab_size):
+                bad = int(tokens[(tokens < 0) | (tokens >= config.vocab_size)][0])
+                raise ValueError(
+                    f"seq_id {request.seq_id!r}: token id {bad} outside the vocabulary "
+                    f"[0, {config.vocab_size})"
+                )
+            token_arrays.append(tokens.astype(np.int32, copy=False))
+        cu_num_new_tokens = np.zeros(len(requests) + 1, dtype=np.int64)
+        np.cumsum([t.shape[0] for t in token_arrays], out=cu_num_new_tokens[1:])
+        return token_arrays, cu_num_new_tokens, budgets
+
+    def end(self, seq_ids: Iterable[str]) -> int:
+        """Frees the state of finished sequences; unknown ids are ignored. Returns how many."""
+        with self._lock:
+            return sum(self._sequences.pop(seq_id, None) is not None for seq_id in seq_ids)
+
+    def info(self) -> dict:
+        current = self.watcher.current if self.watcher is not None else None
+        return {
+            "vocab_size": self.config.vocab_size,
+            "tokenizer_fingerprint": self.config.tokenizer_fingerprint or "",
+            "manifest_version": current.manifest.version if current else 0,
+            "num_shards": len(current.shards) if current else 0,
+            "num_datastore_tokens": current.num_tokens if current else 0,
+            "num_sequences": self.num_sequences,
+            "max_batch_size": self.config.max_batch_size,
+            "max_budget": self.config.max_budget,
+        }
