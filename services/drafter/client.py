@@ -1,0 +1,106 @@
+"""`RemoteDrafter`: the drafting interface (`propose` / `end` / `info`) over gRPC.
+
+It behaves like the in-process `Drafter`, exceptions included, so a decode worker can use either:
+NOT_FOUND becomes `SequenceNotFound` (with the unknown ids), INVALID_ARGUMENT `ValueError`,
+RESOURCE_EXHAUSTED `CapacityError`. Transport failures become `TimeoutError` (deadline) or
+`ConnectionError` (drafter unreachable); callers then decode that step without drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from sssd.common.draft_tree import DraftTree
+from sssd.drafter.drafter import CapacityError, DraftRequest, SequenceNotFound
+from sssd.drafter.service import parse_unknown_ids
+from sssd.v1 import drafter_pb2, drafter_pb2_grpc
+
+
+def _to_proto(request: DraftRequest) -> drafter_pb2.SequenceDraftRequest:
+    token_ids = request.token_ids
+    return drafter_pb2.SequenceDraftRequest(
+        seq_id=request.seq_id,
+        new_token_ids=token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids,
+        budget=request.budget,
+        is_start=request.is_start,
+    )
+
+
+def _from_proto(tree: drafter_pb2.DraftTree) -> DraftTree:
+    # np.asarray converts upb's repeated fields in bulk; tolist() is the fast way back.
+    return DraftTree(
+        token_ids=np.asarray(tree.token_ids, dtype=np.int32),  # [num_nodes]
+        parents=np.asarray(tree.parents, dtype=np.int32),  # [num_nodes]
+        probs=np.asarray(tree.probs, dtype=np.float32) if tree.probs else None,  # [num_nodes]
+    )
+
+
+class RemoteDrafter:
+    """A client of one drafter replica (`sssd-drafter`) at `target` ("host:port")."""
+
+    def __init__(self, target: str, timeout_s: float = 1.0) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.target = target
+        self.timeout_s = timeout_s
+        # Starting a batch of long prompts may exceed gRPC's default 4 MiB message limit.
+        self._channel = grpc.insecure_channel(
+            target, options=[("grpc.max_send_message_length", -1),
+                             ("grpc.max_receive_message_length", -1)]
+        )
+        self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
+        """One draft tree per request, in order; see `Drafter.propose`."""
+        message = drafter_pb2.ProposeRequest(sequences=[_to_proto(r) for r in requests])
+        response = self._call(self._stub.Propose, message)
+        if len(response.drafts) != len(requests):
+            raise RuntimeError(
+                f"drafter at {self.target} answered {len(response.drafts)} trees "
+                f"for {len(requests)} sequences"
+            )
+        return [_from_proto(tree) for tree in response.drafts]
+
+    def end(self, seq_ids: Sequence[str]) -> int:
+        """Frees the state of these sequences; returns how many the drafter held."""
+        message = drafter_pb2.EndSequencesRequest(seq_ids=list(seq_ids))
+        return self._call(self._stub.EndSequences, message).num_ended
+
+    def info(self) -> dict[str, Any]:
+        """The GetInfo fields (drafter.proto, DrafterInfo) as a dict."""
+        info = self._call(self._stub.GetInfo, drafter_pb2.GetInfoRequest())
+        return {field.name: getattr(info, field.name) for field in info.DESCRIPTOR.fields}
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "RemoteDrafter":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _call(self, method: Any, message: Any) -> Any:
+        try:
+            return method(message, timeout=self.timeout_s)
+        except grpc.RpcError as err:
+            raise self._to_python_error(err) from err
+
+    def _to_python_error(self, err: grpc.RpcError) -> Exception:
+        code: grpc.StatusCode = err.code()  # type: ignore[attr-defined]
+        details: str = err.details() or ""  # type: ignore[attr-defined]
+        if code == grpc.StatusCode.NOT_FOUND:
+            return SequenceNotFound(parse_unknown_ids(details))
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return ValueError(details)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return CapacityError(details)
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return TimeoutError(f"drafter at {self.target}: no answer in {self.timeout_s} s")
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return ConnectionError(f"drafter at {self.target} unavailable: {details}")
+        return RuntimeError(f"drafter at {self.target}: {code.name}: {details}")

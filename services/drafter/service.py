@@ -1,0 +1,215 @@
+"""The drafter's gRPC service (proto/sssd/v1/drafter.proto): a thin shell around `Drafter`.
+
+The servicer only translates between protobuf messages and the Python drafter API, and Python
+exceptions into gRPC status codes; all validation and all state live in `Drafter`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from typing import TypeVar
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from sssd.common.draft_tree import DraftTree
+from sssd.drafter.config import DrafterConfig
+from sssd.drafter.drafter import CapacityError, Drafter, DraftRequest, SequenceNotFound
+from sssd.v1 import drafter_pb2, drafter_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name  # "sssd.v1.Drafter"
+# NOT_FOUND details are this prefix followed by a JSON array of every unknown id (drafter.proto).
+UNKNOWN_IDS_PREFIX = "unknown seq_ids "
+_MAX_MESSAGE_BYTES = 2**31 - 1
+
+T = TypeVar("T")
+
+
+def unknown_ids_details(seq_ids: Sequence[str]) -> str:
+    return (
+        f"{UNKNOWN_IDS_PREFIX}{json.dumps(list(seq_ids))}: never started, ended or evicted; "
+        "re-send them with is_start=true and the full context"
+    )
+
+
+def parse_unknown_ids(details: str) -> list[str]:
+    """Inverse of `unknown_ids_details`; [] if `details` does not have that form."""
+    if not details.startswith(UNKNOWN_IDS_PREFIX):
+        return []
+    try:
+        ids, _ = json.JSONDecoder().raw_decode(details, len(UNKNOWN_IDS_PREFIX))
+    except json.JSONDecodeError:
+        return []
+    return [str(seq_id) for seq_id in ids] if isinstance(ids, list) else []
+
+
+def _int32_array(values: Sequence[int]) -> np.ndarray:
+    # upb's repeated fields convert in bulk here: ~100x faster than np.fromiter or a list.
+    return np.asarray(values, dtype=np.int32)  # [num_tokens]
+
+
+def _tree_to_proto(tree: DraftTree) -> drafter_pb2.DraftTree:
+    return drafter_pb2.DraftTree(
+        token_ids=tree.token_ids.tolist(),
+        parents=tree.parents.tolist(),
+        probs=tree.probs.tolist() if tree.probs is not None else (),
+    )
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    """Wire <-> `Drafter`. Every failure leaves the drafter's state unchanged (its contract)."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self._drafter = drafter
+
+    def Propose(
+        self, request: drafter_pb2.ProposeRequest, context: grpc.ServicerContext
+    ) -> drafter_pb2.ProposeResponse:
+        def propose() -> list[DraftTree]:
+            return self._drafter.propose([
+                DraftRequest(
+                    seq_id=seq.seq_id,
+                    token_ids=_int32_array(seq.new_token_ids),
+                    budget=seq.budget,
+                    is_start=seq.is_start,
+                )
+                for seq in request.sequences
+            ])
+
+        trees = _call(context, "Propose", propose)
+        return drafter_pb2.ProposeResponse(drafts=[_tree_to_proto(tree) for tree in trees])
+
+    def EndSequences(
+        self, request: drafter_pb2.EndSequencesRequest, context: grpc.ServicerContext
+    ) -> drafter_pb2.EndSequencesResponse:
+        num_ended = _call(context, "EndSequences", lambda: self._drafter.end(list(request.seq_ids)))
+        return drafter_pb2.EndSequencesResponse(num_ended=num_ended)
+
+    def GetInfo(
+        self, request: drafter_pb2.GetInfoRequest, context: grpc.ServicerContext
+    ) -> drafter_pb2.DrafterInfo:
+        info = _call(context, "GetInfo", self._drafter.info)
+        fields = drafter_pb2.DrafterInfo.DESCRIPTOR.fields_by_name
+        # None (no datastore, no fingerprint) is the proto default: 0 or "".
+        return drafter_pb2.DrafterInfo(
+            **{name: value for name, value in info.items() if name in fields and value is not None}
+        )
+
+
+def _call(context: grpc.ServicerContext, rpc: str, fn: Callable[[], T]) -> T:
+    """Runs fn, turning the drafter's exceptions into the status codes of drafter.proto."""
+    try:
+        return fn()
+    except SequenceNotFound as err:
+        code, details = grpc.StatusCode.NOT_FOUND, unknown_ids_details(err.seq_ids)
+    except CapacityError as err:
+        code, details = grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
+    except ValueError as err:
+        code, details = grpc.StatusCode.INVALID_ARGUMENT, str(err)
+    except Exception:
+        logger.exception("%s failed", rpc)
+        code, details = grpc.StatusCode.INTERNAL, f"{rpc} failed inside the drafter (logged)"
+    context.abort(code, details)  # raises
+    raise AssertionError("unreachable")
+
+
+def _max_request_bytes(config: DrafterConfig) -> int:
+    """A bound on a legal ProposeRequest: full contexts for a whole batch (<= 5 bytes a token)."""
+    per_sequence = 5 * config.max_tokens_per_sequence + 1024
+    return min(_MAX_MESSAGE_BYTES, config.max_batch_size * per_sequence + 1024)
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _start(
+    config: DrafterConfig, drafter: Drafter | None
+) -> tuple[grpc.Server, int, Drafter, health.HealthServicer]:
+    owns_drafter = drafter is None
+    if drafter is None:
+        drafter = Drafter(config)
+        drafter.start()
+    try:
+        server = grpc.server(
+            futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="drafter-rpc"),
+            options=[("grpc.max_receive_message_length", _max_request_bytes(config))],
+        )
+        drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(drafter), server)
+        health_servicer = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        port = server.add_insecure_port(_address(config.host, config.port))
+        server.start()
+    except BaseException:
+        if owns_drafter:
+            drafter.close()
+        raise
+    for service in (SERVICE_NAME, ""):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, drafter, health_servicer
+
+
+def create_server(
+    config: DrafterConfig, drafter: Drafter | None = None
+) -> tuple[grpc.Server, int, Drafter]:
+    """Starts a drafter server on config.host:config.port; returns it, its port and its drafter.
+
+    With port 0 the OS picks a free port (tests). Health checking ("sssd.v1.Drafter" and "")
+    reports SERVING once this returns. Without `drafter`, one is built from `config` and started
+    here; either way the caller closes the drafter after `server.stop(grace).wait()`.
+    """
+    server, port, drafter, _ = _start(config, drafter)
+    return server, port, drafter
+
+
+def serve(config: DrafterConfig) -> None:
+    """Serves until SIGTERM or SIGINT, then drains in-flight calls for config.grace_s seconds."""
+    server, port, drafter, health_servicer = _start(config, None)
+    logger.info("drafter listening on %s", _address(config.host, port))
+    is_stopping = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        if is_stopping.is_set():  # a second signal cuts the grace period short
+            server.stop(0)
+            return
+        is_stopping.set()
+        logger.info("%s: stopping, grace %.1f s", signal.Signals(signum).name, config.grace_s)
+        health_servicer.enter_graceful_shutdown()  # NOT_SERVING for watchers and load balancers
+        server.stop(config.grace_s)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.wait_for_termination()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        drafter.close()
+    logger.info("drafter stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console script `sssd-drafter`. Log level: SSSD_LOG_LEVEL (default INFO)."""
+    logging.basicConfig(
+        level=os.environ.get("SSSD_LOG_LEVEL", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    config = DrafterConfig.from_args(argv)
+    logger.info("config: %s", config)
+    serve(config)
+
+
+if __name__ == "__main__":
+    main()
