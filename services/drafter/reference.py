@@ -45,12 +45,15 @@ class DraftParams:
             raise ValueError("min_tree_nodes must be >= 0")
         discounts = (self.datastore_discount, self.input_discount, self.datastore_child_discount,
                      self.input_child_discount_base, self.input_child_discount_per_match)
-        if not all(0.0 <= d <= 1.0 for d in discounts):
-            raise ValueError("discounts must be in [0, 1]")
-        largest = self.input_child_discount_base + self.input_child_discount_per_match * self.prefix_len
+        if not all(0.0 < d <= 1.0 for d in discounts[:4]):
+            raise ValueError("discounts must be in (0, 1]")
+        if not 0.0 <= self.input_child_discount_per_match <= 1.0:
+            raise ValueError("input_child_discount_per_match must be in [0, 1]")
+        largest = (self.input_child_discount_base
+                   + self.input_child_discount_per_match * self.prefix_len)
         if largest > 1.0 + 1e-12:
-            raise ValueError(
-                "input_child_discount_base + input_child_discount_per_match * prefix_len must be <= 1")
+            raise ValueError("input_child_discount_base + input_child_discount_per_match * "
+                             f"prefix_len must be <= 1, got {largest}")
 
 
 @dataclass
@@ -260,7 +263,8 @@ def make_sources(datastore_tree: CountNode | None, matches: list[tuple[CountNode
         sources.append(Source(datastore_tree, params.datastore_discount,
                               params.datastore_child_discount))
     for node, m in matches:
-        child_discount = params.input_child_discount_base + params.input_child_discount_per_match * m
+        child_discount = (params.input_child_discount_base
+                          + params.input_child_discount_per_match * m)
         sources.append(Source(node, params.input_discount, child_discount))
     return sources
 

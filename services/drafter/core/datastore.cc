@@ -65,8 +65,12 @@ Datastore::Datastore(std::vector<ShardView> shards, uint32_t vocab_size,
 SaRange Datastore::find(int32_t shard_index, std::span<const int32_t> query) const {
   const ShardView& shard = shards_[shard_index];
   if (query.empty()) return SaRange{0, static_cast<uint32_t>(shard.stream.size())};
+  // A token outside the vocabulary (a negative id cast to uint32 would equal the separator)
+  // matches nothing, so a query can never reach across a document boundary.
+  for (int32_t token : query) {
+    if (static_cast<uint32_t>(token) >= vocab_size_) return SaRange{0, 0};
+  }
   const uint32_t first = static_cast<uint32_t>(query[0]);
-  if (first >= vocab_size_) return SaRange{0, 0};
   // The first-token index narrows the search to one bucket; binary search the rest.
   uint32_t lo = shard.bucket_starts[first];
   uint32_t hi = shard.bucket_starts[first + 1];

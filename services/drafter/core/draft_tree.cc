@@ -39,9 +39,14 @@ const char* DrafterParams::validate() const {
   if (prefix_len > branch_len) return "prefix_len must not exceed branch_len";
   if (max_continuations < 0) return "max_continuations must be >= 0";
   if (min_tree_nodes < 0) return "min_tree_nodes must be >= 0";
+  // A zero factor would put zero-probability nodes in the tree: every factor that multiplies a
+  // priority must be positive.
   for (double v : {datastore_discount, input_discount, datastore_child_discount,
-                   input_child_discount_base, input_child_discount_per_match}) {
-    if (!(v >= 0.0 && v <= 1.0)) return "discounts must be in [0, 1]";
+                   input_child_discount_base}) {
+    if (!(v > 0.0 && v <= 1.0)) return "discounts must be in (0, 1]";
+  }
+  if (!(input_child_discount_per_match >= 0.0 && input_child_discount_per_match <= 1.0)) {
+    return "input_child_discount_per_match must be in [0, 1]";
   }
   if (input_child_discount_base + input_child_discount_per_match * prefix_len > 1.0 + 1e-12) {
     return "input_child_discount_base + input_child_discount_per_match * prefix_len must be <= 1";
