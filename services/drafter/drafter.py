@@ -86,7 +86,9 @@ class Drafter:
         Raises ValueError for malformed input, SequenceNotFound for continuations of unknown
         sequences, CapacityError when too many sequences are live; nothing changes on error.
         """
-        token_arrays, cu_num_new_tokens, budgets = self._validate(requests)
+        new_tokens, cu_num_new_tokens, budgets = self._validate(requests)
+        offsets = cu_num_new_tokens.tolist()
+        num_new_tokens = [end - begin for begin, end in zip(offsets[:-1], offsets[1:])]
         with self._lock:
             missing = [r.seq_id for r in requests
                        if not r.is_start and r.seq_id not in self._sequences]
@@ -99,44 +101,43 @@ class Drafter:
                     f"max_sequences={self.config.max_sequences}; end finished sequences first"
                 )
             tries = []
-            for request, tokens in zip(requests, token_arrays):
+            for request, num_tokens in zip(requests, num_new_tokens):
                 if request.is_start:
                     # A fresh trie replaces the old state only after the call succeeds.
                     tries.append(_core.InputTrie(self.config.params.branch_len))
                     continue
                 state = self._sequences[request.seq_id]
-                if state.num_tokens + tokens.shape[0] > self.config.max_tokens_per_sequence:
+                if state.num_tokens + num_tokens > self.config.max_tokens_per_sequence:
                     raise ValueError(
                         f"sequence {request.seq_id!r} would hold "
-                        f"{state.num_tokens + tokens.shape[0]} tokens, more than "
+                        f"{state.num_tokens + num_tokens} tokens, more than "
                         f"max_tokens_per_sequence={self.config.max_tokens_per_sequence}"
                     )
                 tries.append(state.trie)
 
         datastore = self.watcher.current if self.watcher is not None else None
-        new_tokens = (np.concatenate(token_arrays) if token_arrays
-                      else np.empty(0, dtype=np.int32))
         token_ids, parents, probs, cu_num_nodes = self._core.propose(
             datastore.core if datastore is not None else None,
             tries, new_tokens, cu_num_new_tokens, budgets,
         )
 
         with self._lock:
-            for request, tokens, trie in zip(requests, token_arrays, tries):
+            for request, num_tokens, trie in zip(requests, num_new_tokens, tries):
                 if request.is_start:
-                    self._sequences[request.seq_id] = _Sequence(trie, int(tokens.shape[0]))
+                    self._sequences[request.seq_id] = _Sequence(trie, num_tokens)
                 else:
                     state = self._sequences.get(request.seq_id)
                     if state is not None and state.trie is trie:
-                        state.num_tokens += int(tokens.shape[0])
+                        state.num_tokens += num_tokens
         return [
             DraftTree(token_ids[begin:end], parents[begin:end], probs[begin:end])
-            for begin, end in zip(cu_num_nodes[:-1], cu_num_nodes[1:])
+            for begin, end in zip(cu_num_nodes[:-1].tolist(), cu_num_nodes[1:].tolist())
         ]
 
     def _validate(
         self, requests: Sequence[DraftRequest]
-    ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Returns new_tokens [num_tokens] int32, cu_num_new_tokens [num_seqs + 1], budgets."""
         config = self.config
         if not requests:
             raise ValueError("empty batch: send at least one sequence")
@@ -146,6 +147,8 @@ class Drafter:
             )
         seen: set[str] = set()
         token_arrays: list[np.ndarray] = []
+        offsets = [0]  # becomes cu_num_new_tokens
+        total = 0
         budgets = np.empty(len(requests), dtype=np.int32)
         for row, request in enumerate(requests):
             if not request.seq_id:
@@ -160,7 +163,7 @@ class Drafter:
                 )
             budgets[row] = request.budget
             tokens = np.asarray(request.token_ids)
-            if tokens.ndim != 1 or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
+            if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
                 raise ValueError(f"seq_id {request.seq_id!r}: token_ids must be a flat list of ints")
             if request.is_start and tokens.size == 0:
                 raise ValueError(f"seq_id {request.seq_id!r}: is_start needs the full context, got "
@@ -170,16 +173,20 @@ class Drafter:
                     f"seq_id {request.seq_id!r}: {tokens.size} tokens exceed "
                     f"max_tokens_per_sequence={config.max_tokens_per_sequence}"
                 )
-            if tokens.size and (tokens.min() < 0 or tokens.max() >= config.vocab_size):
-                bad = int(tokens[(tokens < 0) | (tokens >= config.vocab_size)][0])
-                raise ValueError(
-                    f"seq_id {request.seq_id!r}: token id {bad} outside the vocabulary "
-                    f"[0, {config.vocab_size})"
-                )
-            token_arrays.append(tokens.astype(np.int32, copy=False))
-        cu_num_new_tokens = np.zeros(len(requests) + 1, dtype=np.int64)
-        np.cumsum([t.shape[0] for t in token_arrays], out=cu_num_new_tokens[1:])
-        return token_arrays, cu_num_new_tokens, budgets
+            token_arrays.append(tokens)
+            total += tokens.shape[0]
+            offsets.append(total)
+        cu_num_new_tokens = np.array(offsets, dtype=np.int64)
+        # One vectorized range check for the whole batch; the slow path only names the culprit.
+        new_tokens = token_arrays[0] if len(token_arrays) == 1 else np.concatenate(token_arrays)
+        if new_tokens.size and (new_tokens.min() < 0 or new_tokens.max() >= config.vocab_size):
+            first_bad = int(np.flatnonzero((new_tokens < 0) | (new_tokens >= config.vocab_size))[0])
+            row = int(np.searchsorted(cu_num_new_tokens, first_bad, side="right")) - 1
+            raise ValueError(
+                f"seq_id {requests[row].seq_id!r}: token id {int(new_tokens[first_bad])} outside "
+                f"the vocabulary [0, {config.vocab_size})"
+            )
+        return new_tokens.astype(np.int32, copy=False), cu_num_new_tokens, budgets
 
     def end(self, seq_ids: Iterable[str]) -> int:
         """Frees the state of finished sequences; unknown ids are ignored. Returns how many."""

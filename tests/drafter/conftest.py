@@ -34,13 +34,13 @@ def _core_params(params: reference.DraftParams) -> _core.DrafterParams:
 
 def _core_tree(nodes: np.ndarray, index: int = 0) -> tuple:
     """Canonical (token, count, (children...)) of exported nodes [num_nodes, 4] (token, count,
-    first_child, next_sibling), children in the core's sibling order."""
+    first_child, next_sibling), children in ascending token order."""
     token, count, child, _ = (int(v) for v in nodes[index])
     children = []
     while child != -1:
         children.append(_core_tree(nodes, child))
         child = int(nodes[child][3])
-    return (token, count, tuple(children))
+    return (token, count, tuple(sorted(children)))  # siblings hold distinct tokens
 
 
 @pytest.fixture(scope="session")

@@ -64,6 +64,9 @@ nb::ndarray<nb::numpy, int32_t, nb::ndim<2>> export_nodes(const sssd::CountTree&
 }  // namespace
 
 NB_MODULE(_core, m) {
+  // Objects still referenced from daemon threads at interpreter exit are not leaks worth a
+  // warning on every shutdown.
+  nb::set_leak_warnings(false);
   m.doc() = "C++ core of the SSSD drafter (input trie, suffix-array datastore, merge).";
 
   nb::class_<sssd::DrafterParams>(m, "DrafterParams")

@@ -104,6 +104,7 @@ void Datastore::collect(std::span<const int32_t> sequence, const DrafterParams& 
   tree.reset(sequence.back());
   const int32_t prefix_len =
       std::min<int32_t>(params.prefix_len, static_cast<int32_t>(sequence.size()));
+  thread_local std::vector<uint32_t> rows;  // sampled rows, then their stream positions
   int32_t path[64];
   const int32_t branch_len = std::min<int32_t>(params.branch_len, 64);
   for (int32_t length = prefix_len; length >= 1; --length) {
@@ -119,9 +120,20 @@ void Datastore::collect(std::span<const int32_t> sequence, const DrafterParams& 
       const uint32_t step = std::max<uint32_t>(1, count / static_cast<uint32_t>(quota));
       const ShardView& shard = shards_[s];
       const size_t n = shard.stream.size();
-      uint32_t row = range.begin;
-      for (int32_t k = 0; k < quota && row < range.end; ++k, row += step) {
-        const size_t start = static_cast<size_t>(shard.suffix_array[row]) + length;
+      // Every sampled row costs two cache misses (suffix array, then stream). Issue all of them
+      // before using any, so they overlap instead of queueing one after another.
+      rows.clear();
+      for (uint32_t row = range.begin; static_cast<int32_t>(rows.size()) < quota;) {
+        rows.push_back(row);
+        __builtin_prefetch(&shard.suffix_array[row]);
+        if (range.end - row <= step) break;  // the next stride would leave the range
+        row += step;
+      }
+      for (uint32_t& row : rows) {
+        row = shard.suffix_array[row] + static_cast<uint32_t>(length);  // now a stream position
+        __builtin_prefetch(&shard.stream[std::min<size_t>(row, n - 1)]);
+      }
+      for (const uint32_t start : rows) {
         int32_t path_len = 0;
         for (size_t at = start; at < n && path_len < branch_len; ++at) {
           const uint32_t token = shard.stream[at];
@@ -129,7 +141,6 @@ void Datastore::collect(std::span<const int32_t> sequence, const DrafterParams& 
           path[path_len++] = static_cast<int32_t>(token);
         }
         tree.insert_path(std::span<const int32_t>(path, path_len));
-        if (range.end - row <= step) break;  // guards the uint32 stride against overflow
       }
     }
   }

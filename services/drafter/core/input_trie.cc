@@ -6,25 +6,6 @@ namespace sssd {
 
 InputTrie::InputTrie(int32_t branch_len) : branch_len_(branch_len), tree_(-1) {}
 
-int32_t InputTrie::child(int32_t parent, int32_t token) const {
-  if (parent == 0) {
-    auto it = root_children_.find(token);
-    return it == root_children_.end() ? -1 : it->second;
-  }
-  return tree_.find_child(parent, token);
-}
-
-int32_t InputTrie::add_child(int32_t parent, int32_t token) {
-  if (parent == 0) {
-    auto it = root_children_.find(token);
-    if (it != root_children_.end()) return it->second;
-    const int32_t created = tree_.get_or_add_child(0, token);
-    root_children_.emplace(token, created);
-    return created;
-  }
-  return tree_.get_or_add_child(parent, token);
-}
-
 void InputTrie::append(std::span<const int32_t> tokens) {
   tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
   for (int32_t token : tokens) {
@@ -32,7 +13,7 @@ void InputTrie::append(std::span<const int32_t> tokens) {
     tree_.node(0).count += 1;
     open_windows_.emplace_back(0, 0);
     for (auto& [node, length] : open_windows_) {
-      node = add_child(node, token);
+      node = tree_.get_or_add_child(node, token);
       tree_.node(node).count += 1;
       length += 1;
     }
@@ -49,7 +30,7 @@ std::vector<InputMatch> InputTrie::match(int32_t prefix_len) const {
   const int32_t* end = tokens_.data() + tokens_.size();
   for (int32_t m = length; m >= 1; --m) {
     int32_t node = 0;
-    for (const int32_t* it = end - m; it != end && node != -1; ++it) node = child(node, *it);
+    for (const int32_t* it = end - m; it != end && node != -1; ++it) node = tree_.find_child(node, *it);
     if (node != -1) matches.push_back(InputMatch{node, m});
   }
   return matches;

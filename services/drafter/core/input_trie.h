@@ -4,7 +4,6 @@
 #include <cstdint>
 #include <mutex>
 #include <span>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -38,12 +37,8 @@ class InputTrie {
   std::mutex& mutex() { return mutex_; }
 
  private:
-  int32_t child(int32_t parent, int32_t token) const;
-  int32_t add_child(int32_t parent, int32_t token);
-
   int32_t branch_len_;
   CountTree tree_;
-  std::unordered_map<int32_t, int32_t> root_children_;  // token -> node, the root is wide
   std::vector<int32_t> tokens_;                          // the whole sequence
   // Windows still growing: (node where the window ends, its length), oldest first.
   std::vector<std::pair<int32_t, int32_t>> open_windows_;

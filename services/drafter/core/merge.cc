@@ -64,7 +64,8 @@ void merge_sources(std::span<const MergeSource> sources, int32_t root_token, int
   for (int32_t s = 0; s < static_cast<int32_t>(sources.size()); ++s) {
     const MergeSource& source = sources[s];
     const CountNode& root = source.tree->node(source.root);
-    for (int32_t c = root.first_child; c != -1; c = source.tree->node(c).next_sibling) {
+    source.tree->sorted_children(source.root, scratch.children);
+    for (int32_t c : scratch.children) {
       const double priority =
           (static_cast<double>(source.tree->node(c).count) / static_cast<double>(root.count)) *
           source.discount;
@@ -79,7 +80,8 @@ void merge_sources(std::span<const MergeSource> sources, int32_t root_token, int
     const MergeSource& source = sources[entry.source];
     const CountNode& node = source.tree->node(entry.node);
     const int32_t draft_node = insert_token(out, entry.parent, node.token, entry.priority);
-    for (int32_t c = node.first_child; c != -1; c = source.tree->node(c).next_sibling) {
+    source.tree->sorted_children(entry.node, scratch.children);
+    for (int32_t c : scratch.children) {
       const double priority =
           (static_cast<double>(source.tree->node(c).count) / static_cast<double>(node.count)) *
           entry.priority * source.child_discount;

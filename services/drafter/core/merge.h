@@ -31,6 +31,7 @@ struct MergeScratch {
     int32_t parent;    // draft-tree node the token goes under
   };
   std::vector<Entry> heap;
+  std::vector<int32_t> children;  // sorted children of the node being expanded
 };
 
 // Algorithm 3 with the tie-breaking of ALGORITHM.md. `dec_len` counts the root.

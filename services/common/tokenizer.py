@@ -1,0 +1,102 @@
+"""The model's tokenizer, its vocabulary fingerprint and size.
+
+Converting the default GGUF's tokenizer takes about 6 s (transformers rebuilds it from the GGUF
+metadata); the converted tokenizer is saved once under the cache directory, keyed by the GGUF
+file's sha256, and loads from there in about 0.3 s (importing transformers adds about 2 s to
+either).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sssd.common.model_files import ModelFiles, cache_dir, file_sha256, resolve_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+# Written last into a cache entry, so a half-written entry is never loaded.
+_COMPLETE_MARKER = "sssd-complete"
+
+
+def tokenizer_cache_dir(files: ModelFiles) -> Path:
+    """Where the converted tokenizer of a GGUF model is (or will be) cached."""
+    return cache_dir() / "tokenizers" / file_sha256(files.gguf_path)
+
+
+def load_tokenizer(model: str | os.PathLike[str] | None = None,
+                   use_cache: bool = True) -> PreTrainedTokenizerBase:
+    """Loads the tokenizer of `model` (None: the default GGUF; a `.gguf` file; a model directory).
+
+    A GGUF model's converted tokenizer is cached on disk (`use_cache`); a model directory is
+    loaded directly, as it is already fast.
+    """
+    from transformers import AutoTokenizer
+
+    files = resolve_model(model)
+    start = time.perf_counter()
+    if not files.is_gguf:
+        tokenizer = AutoTokenizer.from_pretrained(files.directory)
+        logger.info("loaded the tokenizer of %s in %.2f s", files.directory,
+                    time.perf_counter() - start)
+        return tokenizer
+
+    cached = tokenizer_cache_dir(files) if use_cache else None
+    if cached is not None and (cached / _COMPLETE_MARKER).is_file():
+        tokenizer = AutoTokenizer.from_pretrained(cached)
+        logger.info("loaded the cached tokenizer of %s from %s in %.2f s", files.gguf_path,
+                    cached, time.perf_counter() - start)
+        return tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(files.directory, **files.from_pretrained_kwargs())
+    logger.info("converted the tokenizer of %s in %.2f s", files.gguf_path,
+                time.perf_counter() - start)
+    if cached is not None:
+        _save_atomically(tokenizer, cached)
+    return tokenizer
+
+
+def _save_atomically(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
+    """Saves into a sibling temporary directory, then renames it into place."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        tokenizer.save_pretrained(tmp)
+        (tmp / _COMPLETE_MARKER).write_text("")
+        if target.exists():  # an entry without its marker: an interrupted save
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race; its entry is equally good
+            shutil.rmtree(tmp, ignore_errors=True)
+        logger.info("cached the converted tokenizer in %s", target)
+    except OSError as exc:
+        logger.warning("could not cache the tokenizer in %s: %s", target, exc)
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 hex of the vocabulary: sorted (token, id) pairs plus the special tokens.
+
+    Datastores record it so that a drafter never mixes token ids of different vocabularies. It
+    is the same for the GGUF-converted tokenizer and for its cached copy.
+    """
+    vocab = sorted(tokenizer.get_vocab().items())
+    special = dict(tokenizer.special_tokens_map)
+    payload = json.dumps({"vocab": vocab, "special": special}, sort_keys=True,
+                         ensure_ascii=False, separators=(",", ":"), default=str)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def vocab_size(tokenizer: PreTrainedTokenizerBase) -> int:
+    """Number of token ids, added tokens included (`len(tokenizer)`)."""
+    return len(tokenizer)
