@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Places searched for MT-Bench when no path is given, in order.
-_MT_BENCH_CANDIDATES = ("data/mt_bench.jsonl", "/work/shared/data/mt_bench.jsonl")
+# Places searched for MT-Bench when no path is given, in order, relative to the working directory
+# (the repository root): a local copy, then the development data beside the checkout.
+_MT_BENCH_CANDIDATES = ("data/mt_bench.jsonl", "../shared/data/mt_bench.jsonl")
 
 # ShareGPT speaker names -> chat-template roles.
 _SHAREGPT_ROLES = {
@@ -33,8 +34,8 @@ _SHAREGPT_ROLES = {
 # --- MT-Bench ------------------------------------------------------------------------------------
 
 def default_mt_bench_path() -> Path:
-    """`$SSSD_MT_BENCH`, else `data/mt_bench.jsonl` under the working directory or the shared
-    data directory."""
+    """`$SSSD_MT_BENCH`, else `data/mt_bench.jsonl` or `../shared/data/mt_bench.jsonl` relative to
+    the working directory."""
     candidates = [os.environ["SSSD_MT_BENCH"]] if os.environ.get("SSSD_MT_BENCH") else []
     candidates += _MT_BENCH_CANDIDATES
     for candidate in candidates:
