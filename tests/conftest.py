@@ -11,3 +11,15 @@ def tokenizer():
     from sssd.common.tokenizer import load_tokenizer
 
     return load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def target_model_fp32():
+    """The default model in float32 (a LoadedModel), loaded once per session.
+
+    From the converted-weights cache when warm (about 1-3 s); the first run on a machine pays
+    the GGUF conversion (about 15 s) and fills the cache.
+    """
+    from sssd.common.model_loader import load_causal_lm
+
+    return load_causal_lm(None, "float32")

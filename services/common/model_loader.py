@@ -1,0 +1,187 @@
+"""The target model: a transformers causal LM on the CPU, with its tokenizer and stop tokens.
+
+Converting the default GGUF (Q4_1) takes 12-17 s on the 2-core machines, mostly parsing the
+GGUF metadata and de-quantizing; the converted weights are therefore saved once, in float32
+safetensors, under the cache directory keyed by the GGUF file's sha256, and load from there in
+0.1-0.4 s. One float32 cache serves both dtypes: Q4_1 de-quantizes to float32, so it holds
+the converted weights exactly, and casting it to bfloat16 at load gives bit-identical weights to
+converting the GGUF straight to bfloat16. The cast costs about 0.25 s per bfloat16 load (0.35 s
+against 0.1 s from a bfloat16 copy), too little next to the 2 s import of transformers to be
+worth a second 270 MB cache entry and a second conversion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sssd.common.model_files import ModelFiles, cache_dir, file_sha256, resolve_model
+from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+ALLOWED_DTYPES = ("bfloat16", "float32")
+# The dtype of the cached weights: what Q4_1 (and every GGUF block format) de-quantizes to.
+_CACHE_DTYPE = "float32"
+# Written last into a cache entry, so a half-written entry is never loaded.
+_COMPLETE_MARKER = "sssd-complete"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A causal LM ready for inference: eval mode, no gradients, on the CPU, SDPA attention."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    # tokenizer_fingerprint(tokenizer): datastores and drafters check it against their own.
+    fingerprint: str
+    # GGUF file stem or model directory name, for logs and metrics.
+    name: str
+    dtype: torch.dtype
+    # Token ids that end a generation: the generation config's, plus the tokenizer's eos token.
+    # SmolLM2-135M-Instruct: (2,), `<|im_end|>`, which closes every chat turn. Its
+    # `<|endoftext|>` (id 0, also the unk token) is listed by neither, so plain `generate` does
+    # not stop there either. `model.generation_config.eos_token_id` is set to these same ids.
+    eos_token_ids: tuple[int, ...]
+    # Width of the logits (rows of the output embedding). SmolLM2: 49152 == len(tokenizer).
+    # Other models pad it (Qwen2.5: 151936 logits, 151665 tokens): ids at or above
+    # len(tokenizer) are never drafted but can still receive probability mass.
+    vocab_size: int
+    # Wall-clock seconds of the whole load, tokenizer included.
+    load_s: float
+    # True when the weights came from the converted-weights cache rather than a conversion.
+    from_cache: bool
+
+
+def model_cache_dir(files: ModelFiles) -> Path:
+    """Where the converted float32 weights of a GGUF model are (or will be) cached."""
+    return cache_dir() / "models" / file_sha256(files.gguf_path)
+
+
+def load_causal_lm(model: str | os.PathLike[str] | None = None,
+                   dtype: str = "bfloat16") -> LoadedModel:
+    """Loads `model` (None: the default GGUF; a `.gguf` file; a Hugging Face model directory).
+
+    Raises FileNotFoundError for a path that does not exist, ValueError for a dtype other than
+    ALLOWED_DTYPES, a directory without config.json, or a file that is not a GGUF file.
+    """
+    import torch
+
+    if dtype not in ALLOWED_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; allowed: {', '.join(ALLOWED_DTYPES)}")
+    torch_dtype = getattr(torch, dtype)
+    start = time.perf_counter()
+    files = _resolve(model)
+    tokenizer = load_tokenizer(model)
+    if files.is_gguf:
+        lm, from_cache = _load_gguf(files, torch_dtype)
+        name, source = Path(files.gguf_file).stem, files.gguf_path
+    else:
+        lm, from_cache = _from_pretrained(files.directory, torch_dtype), False
+        name, source = files.directory.name, files.directory
+    lm.eval()
+    lm.requires_grad_(False)
+
+    eos_token_ids = _eos_token_ids(lm, tokenizer)
+    lm.generation_config.eos_token_id = list(eos_token_ids) if len(eos_token_ids) > 1 \
+        else eos_token_ids[0]
+    vocab_size = lm.get_output_embeddings().weight.shape[0]
+    if vocab_size != len(tokenizer):
+        logger.info("%s: %d logits for %d tokenizer ids", name, vocab_size, len(tokenizer))
+    load_s = time.perf_counter() - start
+    logger.info("loaded %s in %s from %s%s in %.2f s", name, dtype, source,
+                " (cached conversion)" if from_cache else "", load_s)
+    return LoadedModel(model=lm, tokenizer=tokenizer, fingerprint=tokenizer_fingerprint(tokenizer),
+                       name=name, dtype=torch_dtype, eos_token_ids=eos_token_ids,
+                       vocab_size=vocab_size, load_s=load_s, from_cache=from_cache)
+
+
+def _resolve(model: str | os.PathLike[str] | None) -> ModelFiles:
+    """resolve_model, with the errors of a model (not merely a tokenizer) location."""
+    if model is not None and not Path(model).expanduser().exists():
+        raise FileNotFoundError(f"model path {str(model)!r} does not exist; pass a .gguf file, a "
+                                "Hugging Face model directory, or None for the default model")
+    files = resolve_model(model)
+    if not files.is_gguf and not (files.directory / "config.json").is_file():
+        raise ValueError(f"{files.directory} has no config.json, so it is not a Hugging Face "
+                         "model directory")
+    return files
+
+
+def _from_pretrained(directory: Path, dtype: torch.dtype) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa")
+
+
+def _load_gguf(files: ModelFiles, dtype: torch.dtype) -> tuple[PreTrainedModel, bool]:
+    """The model from the converted-weights cache, or converted (and cached) when cold."""
+    import torch
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    cached = model_cache_dir(files)
+    if (cached / _COMPLETE_MARKER).is_file():
+        return _from_pretrained(cached, dtype), True
+
+    start = time.perf_counter()
+    # dequantize=True: a plain dense model, which is what the cache stores, even where a GGUF
+    # matmul kernel would let transformers keep the weights in their quantized blocks.
+    lm = AutoModelForCausalLM.from_pretrained(
+        files.directory, gguf_file=files.gguf_file, dtype=getattr(torch, _CACHE_DTYPE),
+        attn_implementation="sdpa", quantization_config=GgufConfig(dequantize=True))
+    logger.info("converted %s in %.2f s", files.gguf_path, time.perf_counter() - start)
+    _save_atomically(lm, cached, source=files.gguf_path)
+    return lm.to(dtype), False
+
+
+def _save_atomically(lm: PreTrainedModel, target: Path, source: Path) -> None:
+    """Saves into a sibling temporary directory, marks it complete, then renames it into place."""
+    tmp = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        lm.save_pretrained(tmp, safe_serialization=True)
+        (tmp / _COMPLETE_MARKER).write_text(json.dumps({"source": str(source),
+                                                         "dtype": _CACHE_DTYPE}))
+        if target.exists() and not (target / _COMPLETE_MARKER).is_file():
+            shutil.rmtree(target, ignore_errors=True)  # left by an interrupted save
+        try:
+            os.rename(tmp, target)
+            tmp = None
+        except OSError:  # another process won the race; its entry is equally good
+            pass
+        logger.info("cached the converted weights of %s in %s", source, target)
+    except OSError as exc:  # a read-only or full cache only costs a conversion next time
+        logger.warning("could not cache the converted weights in %s: %s", target, exc)
+    finally:  # whatever interrupted the save, no partial copy is left behind
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _eos_token_ids(lm: PreTrainedModel,
+                   tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The generation config's eos ids (an int or a list), then the tokenizer's, deduplicated."""
+    configured = lm.generation_config.eos_token_id
+    if configured is None:
+        configured = lm.config.eos_token_id
+    if configured is None:
+        configured = []
+    elif isinstance(configured, int):
+        configured = [configured]
+    ids = [*configured, tokenizer.eos_token_id]
+    eos_token_ids = tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+    if not eos_token_ids:
+        raise ValueError("the model names no eos token in its generation config, config or "
+                         "tokenizer, so a generation could never stop")
+    return eos_token_ids

@@ -1,0 +1,105 @@
+"""A slot-based KV cache for a batch of sequences of different lengths.
+
+Layout: per layer one key and one value tensor of shape
+[max_seqs, num_kv_heads, max_len, head_dim]. A running sequence owns one slot; the running batch
+always occupies slots [0, num_running) (a finished sequence's slot is filled by moving the last
+one into it), so a step over the whole batch attends over the view
+`buffer[:num_running, :, :kv_len]` and no per-step copy of the cache is made.
+
+Tree steps write every node's keys and values at `cache_len + node_index` (see tree_batch.py);
+after acceptance `commit` moves the accepted path to `cache_len + depth`, and the rejected nodes
+are simply left beyond the new length, to be overwritten by the next step.
+
+The model calls `update(keys, values, layer_idx)` from inside its attention layers (the hook that
+transformers' attention uses for its own caches), so no model code is patched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class SlotKVCache:
+    def __init__(self, num_layers: int, max_seqs: int, num_kv_heads: int, max_len: int,
+                 head_dim: int, dtype: torch.dtype) -> None:
+        if max_seqs < 1 or max_len < 2:
+            raise ValueError("max_seqs must be >= 1 and max_len >= 2")
+        shape = (max_seqs, num_kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.max_seqs = max_seqs
+        self.max_len = max_len
+        self.lengths = [0] * max_seqs  # [max_seqs] committed tokens per slot
+        # Set by `begin_step` for the forward pass in flight.
+        self._rows: slice | None = None
+        self._write_positions: torch.Tensor | None = None  # [num_rows, num_nodes]
+        self._kv_len = 0
+
+    # --- the forward pass --------------------------------------------------------------------
+
+    def begin_step(self, first_slot: int, num_rows: int, write_positions: torch.Tensor,
+                   kv_len: int) -> None:
+        """Slots [first_slot, first_slot + num_rows) take part in the next forward pass."""
+        if kv_len > self.max_len:
+            raise ValueError(f"step needs {kv_len} cache positions, the cache holds {self.max_len}")
+        self._rows = slice(first_slot, first_slot + num_rows)
+        self._write_positions = write_positions
+        self._kv_len = kv_len
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int,
+               *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values: [num_rows, num_kv_heads, num_nodes, head_dim] of the step's nodes.
+
+        Returns the keys and values to attend over: [num_rows, num_kv_heads, kv_len, head_dim].
+        """
+        assert self._rows is not None, "begin_step must come before the forward pass"
+        key_buffer = self.keys[layer_idx][self._rows]  # [num_rows, heads, max_len, head_dim]
+        value_buffer = self.values[layer_idx][self._rows]
+        num_rows = keys.shape[0]
+        rows = torch.arange(num_rows).unsqueeze(1)  # [num_rows, 1]
+        # Advanced indexing puts (row, node) first: [num_rows, num_nodes, heads, head_dim].
+        key_buffer[rows, :, self._write_positions] = keys.transpose(1, 2)
+        value_buffer[rows, :, self._write_positions] = values.transpose(1, 2)
+        return key_buffer[:, :, : self._kv_len], value_buffer[:, :, : self._kv_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._kv_len
+
+    # --- after the forward pass ----------------------------------------------------------------
+
+    def commit(self, slots: Sequence[int], accepted_nodes: Sequence[Sequence[int]]) -> None:
+        """Keeps the root and the accepted path of each slot's tree, in path order.
+
+        `accepted_nodes[i]` are node indices of slot `slots[i]`'s tree along the accepted path,
+        root excluded. The root stays where it was written (node 0 at the old length).
+        """
+        rows, sources, targets = [], [], []
+        for slot, nodes in zip(slots, accepted_nodes):
+            base = self.lengths[slot]
+            for depth, node in enumerate(nodes, start=1):
+                if node != depth:  # already in place when the path is a prefix of the layout
+                    rows.append(slot)
+                    sources.append(base + node)
+                    targets.append(base + depth)
+            self.lengths[slot] = base + 1 + len(nodes)
+        if not rows:
+            return
+        row_index = torch.tensor(rows)
+        source_index = torch.tensor(sources)
+        target_index = torch.tensor(targets)
+        for buffer in (*self.keys, *self.values):
+            # The right-hand side is gathered into a new tensor first, so overlaps are safe.
+            buffer[row_index, :, target_index] = buffer[row_index, :, source_index]
+
+    def set_length(self, slot: int, length: int) -> None:
+        self.lengths[slot] = length
+
+    def move(self, source_slot: int, target_slot: int) -> None:
+        """Copies a sequence's cache to another slot (compaction after a sequence finishes)."""
+        length = self.lengths[source_slot]
+        for buffer in (*self.keys, *self.values):
+            buffer[target_slot, :, :length] = buffer[source_slot, :, :length]
+        self.lengths[target_slot] = length
+        self.lengths[source_slot] = 0

@@ -1,0 +1,77 @@
+"""Runs the target model over prompts (prefill) and over batches of draft trees (verification)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sssd.common.draft_tree import DraftTree
+from sssd.verifier.kv_cache import SlotKVCache
+from sssd.verifier.tree_batch import build_tree_batch, chain_tree
+
+
+class ModelRunner:
+    """Owns the KV cache; the batch of running sequences occupies slots [0, num_running)."""
+
+    def __init__(self, model: torch.nn.Module, max_seqs: int, max_len: int) -> None:
+        config = model.config
+        self.model = model
+        self.dtype = next(model.parameters()).dtype
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.cache = SlotKVCache(
+            num_layers=config.num_hidden_layers,
+            max_seqs=max_seqs,
+            num_kv_heads=config.num_key_value_heads,
+            max_len=max_len,
+            head_dim=head_dim,
+            dtype=self.dtype,
+        )
+        self.max_len = max_len
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, token_ids: Sequence[int]) -> torch.Tensor:
+        """Writes the prompt's KV into `slot`; returns the logits after it: [vocab_size] float32."""
+        if len(token_ids) + 1 > self.max_len:
+            raise ValueError(f"prompt of {len(token_ids)} tokens does not fit the cache "
+                             f"({self.max_len} positions)")
+        self.cache.set_length(slot, 0)
+        batch = build_tree_batch([chain_tree(token_ids)], [0], self.dtype)
+        self.cache.begin_step(slot, 1, batch.write_positions, batch.kv_len)
+        output = self.model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            attention_mask=batch.attention_mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.cache.set_length(slot, len(token_ids))
+        return output.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def verify(self, trees: Sequence[DraftTree]) -> torch.Tensor:
+        """One forward pass over the trees of slots [0, len(trees)).
+
+        Returns logits [num_seqs, max_nodes, vocab_size] float32; row i's first
+        trees[i].num_nodes positions are real. Call `commit` afterwards.
+        """
+        cache_lens = [self.cache.lengths[slot] for slot in range(len(trees))]
+        batch = build_tree_batch(trees, cache_lens, self.dtype)
+        self.cache.begin_step(0, len(trees), batch.write_positions, batch.kv_len)
+        output = self.model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            attention_mask=batch.attention_mask,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        return output.logits.float()
+
+    def commit(self, accepted_nodes: Sequence[Sequence[int]]) -> None:
+        """Keeps row i's root and accepted path (node indices, root excluded) in the cache."""
+        self.cache.commit(range(len(accepted_nodes)), accepted_nodes)
+
+    def room(self, slot: int) -> int:
+        """Cache positions still free in `slot`."""
+        return self.max_len - self.cache.lengths[slot]
