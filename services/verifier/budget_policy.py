@@ -101,8 +101,10 @@ class MeasuredBudget:
     chain of log2(s_q) + 1) so each gets measured; the average then corrects them.
     """
 
-    def __init__(self, profile: ForwardProfile, max_budget: int, decay: float = 0.1) -> None:
+    def __init__(self, profile: ForwardProfile, max_budget: int, decay: float = 0.1,
+                 tie_tolerance: float = 0.05) -> None:
         self.profile = profile
+        self.tie_tolerance = tie_tolerance
         self.candidates = [(j, s) for j, s in enumerate(profile.budgets) if s <= max_budget]
         if not self.candidates:
             raise ValueError("no profiled budget is <= max_budget")
@@ -115,7 +117,10 @@ class MeasuredBudget:
             index, s = candidate
             return (1.0 + self.expected_accepted[s]) / self.profile.time(batch_size, index)
 
-        return max(self.candidates, key=rate)[1]
+        # Near-ties go to the smaller budget: it costs less drafting and cache room for nothing.
+        best = max(rate(c) for c in self.candidates)
+        return min(s for index, s in self.candidates
+                   if rate((index, s)) >= (1.0 - self.tie_tolerance) * best)
 
     def observe(self, batch_size: int, budget: int, accepted: Sequence[int],
                 verify_s: float) -> None:
