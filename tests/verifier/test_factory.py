@@ -1,0 +1,32 @@
+"""Engines built from configuration: every mode and both budget policies stay exact."""
+
+import pytest
+
+from sssd.verifier.budget_policy import FixedBudget, MeasuredBudget, RuleBudget
+from sssd.verifier.config import EngineConfig
+from sssd.verifier.factory import build_engine
+
+
+@pytest.mark.parametrize(
+    "mode, policy, policy_type",
+    [("ar", "rule", FixedBudget), ("prompt_lookup", "rule", RuleBudget),
+     ("sssd", "measured", MeasuredBudget)],
+)
+def test_configured_engines_equal_generate(target_model_fp32, mt_bench_prompts, greedy_references,
+                                           warm_datastore, tmp_path, mode, policy, policy_type):
+    config = EngineConfig(mode=mode, budget_policy=policy, max_batch_size=2, max_len=512,
+                          datastore_dir=warm_datastore, dtype="float32",
+                          profile_path=str(tmp_path / "profile.json"))
+    engine = build_engine(config, target_model_fp32)
+    assert isinstance(engine.budget_policy, policy_type)
+    outputs = engine.generate(mt_bench_prompts[:2], max_tokens=32)
+    assert outputs == [reference[:32] for reference in greedy_references[:2]]
+    if policy == "measured":
+        assert (tmp_path / "profile.json").is_file()  # the profile is saved for the next start
+
+
+def test_config_names_the_bad_field():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        EngineConfig(mode="fast")
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="float16")
