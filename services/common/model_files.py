@@ -13,6 +13,9 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -123,3 +126,38 @@ def file_sha256(path: Path) -> str:
     except OSError as exc:  # a read-only cache only costs the hash next time
         logger.warning("could not write the digest memo %s: %s", memo_path, exc)
     return hexdigest
+
+
+COMPLETE_MARKER = "sssd-complete"  # written last into a finished cache entry
+
+
+def is_complete(entry: Path) -> bool:
+    return (entry / COMPLETE_MARKER).is_file()
+
+
+def save_atomically(target: Path, write: Callable[[Path], None], marker: str = "") -> bool:
+    """Fills a cache entry: `write(tmp)` into a sibling temporary directory, the completion
+    marker last, then a rename into place. Never deletes a finished entry (another process may
+    have just written it); an unmarked one is left over from an interrupted save and replaced.
+    A read-only or full cache only logs a warning. Returns True if the entry is complete.
+    """
+    tmp = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        write(tmp)
+        (tmp / COMPLETE_MARKER).write_text(marker)
+        if target.exists() and not is_complete(target):
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+            tmp = None
+        except OSError:  # another process won the race; its entry is equally good
+            pass
+        return True
+    except OSError as exc:
+        logger.warning("could not write the cache entry %s: %s", target, exc)
+        return False
+    finally:  # whatever interrupted the save, no partial copy is left behind
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -3,11 +3,12 @@
 Converting the default GGUF (Q4_1) takes 12-17 s on the 2-core machines, mostly parsing the
 GGUF metadata and de-quantizing; the converted weights are therefore saved once, in float32
 safetensors, under the cache directory keyed by the GGUF file's sha256, and load from there in
-0.1-0.4 s. One float32 cache serves both dtypes: Q4_1 de-quantizes to float32, so it holds
-the converted weights exactly, and casting it to bfloat16 at load gives bit-identical weights to
-converting the GGUF straight to bfloat16. The cast costs about 0.25 s per bfloat16 load (0.35 s
-against 0.1 s from a bfloat16 copy), too little next to the 2 s import of transformers to be
-worth a second 270 MB cache entry and a second conversion.
+0.3-0.6 s, tokenizer included (the first load in a process adds about 2 s of transformers' lazy
+imports, cached or not). One float32 cache serves both dtypes: Q4_1 de-quantizes to float32, so
+it holds the converted weights exactly, and casting it to bfloat16 at load gives bit-identical
+weights to converting the GGUF straight to bfloat16. The cast costs about 0.25 s per bfloat16
+load (0.35 s against 0.1 s from a bfloat16 copy), too little to be worth a second 270 MB cache
+entry and a second conversion.
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sssd.common.model_files import ModelFiles, cache_dir, file_sha256, resolve_model
+from sssd.common.model_files import (ModelFiles, cache_dir, file_sha256,
+                                     is_complete, resolve_model, save_atomically)
 from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 if TYPE_CHECKING:
@@ -35,7 +35,6 @@ ALLOWED_DTYPES = ("bfloat16", "float32")
 # The dtype of the cached weights: what Q4_1 (and every GGUF block format) de-quantizes to.
 _CACHE_DTYPE = "float32"
 # Written last into a cache entry, so a half-written entry is never loaded.
-_COMPLETE_MARKER = "sssd-complete"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +130,7 @@ def _load_gguf(files: ModelFiles, dtype: torch.dtype) -> tuple[PreTrainedModel, 
     from transformers import AutoModelForCausalLM, GgufConfig
 
     cached = model_cache_dir(files)
-    if (cached / _COMPLETE_MARKER).is_file():
+    if is_complete(cached):
         return _from_pretrained(cached, dtype), True
 
     start = time.perf_counter()
@@ -141,32 +140,11 @@ def _load_gguf(files: ModelFiles, dtype: torch.dtype) -> tuple[PreTrainedModel, 
         files.directory, gguf_file=files.gguf_file, dtype=getattr(torch, _CACHE_DTYPE),
         attn_implementation="sdpa", quantization_config=GgufConfig(dequantize=True))
     logger.info("converted %s in %.2f s", files.gguf_path, time.perf_counter() - start)
-    _save_atomically(lm, cached, source=files.gguf_path)
+    marker = json.dumps({"source": str(files.gguf_path), "dtype": _CACHE_DTYPE})
+    if save_atomically(cached, lambda tmp: lm.save_pretrained(tmp, safe_serialization=True),
+                       marker):
+        logger.info("cached the converted weights of %s in %s", files.gguf_path, cached)
     return lm.to(dtype), False
-
-
-def _save_atomically(lm: PreTrainedModel, target: Path, source: Path) -> None:
-    """Saves into a sibling temporary directory, marks it complete, then renames it into place."""
-    tmp = None
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        lm.save_pretrained(tmp, safe_serialization=True)
-        (tmp / _COMPLETE_MARKER).write_text(json.dumps({"source": str(source),
-                                                         "dtype": _CACHE_DTYPE}))
-        if target.exists() and not (target / _COMPLETE_MARKER).is_file():
-            shutil.rmtree(target, ignore_errors=True)  # left by an interrupted save
-        try:
-            os.rename(tmp, target)
-            tmp = None
-        except OSError:  # another process won the race; its entry is equally good
-            pass
-        logger.info("cached the converted weights of %s in %s", source, target)
-    except OSError as exc:  # a read-only or full cache only costs a conversion next time
-        logger.warning("could not cache the converted weights in %s: %s", target, exc)
-    finally:  # whatever interrupted the save, no partial copy is left behind
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _eos_token_ids(lm: PreTrainedModel,

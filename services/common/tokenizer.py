@@ -12,13 +12,12 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sssd.common.model_files import ModelFiles, cache_dir, file_sha256, resolve_model
+from sssd.common.model_files import (ModelFiles, cache_dir, file_sha256, is_complete,
+                                     resolve_model, save_atomically)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -26,7 +25,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Written last into a cache entry, so a half-written entry is never loaded.
-_COMPLETE_MARKER = "sssd-complete"
 
 
 def tokenizer_cache_dir(files: ModelFiles) -> Path:
@@ -52,7 +50,7 @@ def load_tokenizer(model: str | os.PathLike[str] | None = None,
         return tokenizer
 
     cached = tokenizer_cache_dir(files) if use_cache else None
-    if cached is not None and (cached / _COMPLETE_MARKER).is_file():
+    if cached is not None and is_complete(cached):
         tokenizer = AutoTokenizer.from_pretrained(cached)
         logger.info("loaded the cached tokenizer of %s from %s in %.2f s", files.gguf_path,
                     cached, time.perf_counter() - start)
@@ -61,27 +59,9 @@ def load_tokenizer(model: str | os.PathLike[str] | None = None,
     tokenizer = AutoTokenizer.from_pretrained(files.directory, **files.from_pretrained_kwargs())
     logger.info("converted the tokenizer of %s in %.2f s", files.gguf_path,
                 time.perf_counter() - start)
-    if cached is not None:
-        _save_atomically(tokenizer, cached)
+    if cached is not None and save_atomically(cached, tokenizer.save_pretrained):
+        logger.info("cached the converted tokenizer in %s", cached)
     return tokenizer
-
-
-def _save_atomically(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
-    """Saves into a sibling temporary directory, then renames it into place."""
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        tokenizer.save_pretrained(tmp)
-        (tmp / _COMPLETE_MARKER).write_text("")
-        if target.exists():  # an entry without its marker: an interrupted save
-            shutil.rmtree(target, ignore_errors=True)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process won the race; its entry is equally good
-            shutil.rmtree(tmp, ignore_errors=True)
-        logger.info("cached the converted tokenizer in %s", target)
-    except OSError as exc:
-        logger.warning("could not cache the tokenizer in %s: %s", target, exc)
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

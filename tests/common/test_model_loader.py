@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from sssd.common.model_files import resolve_model
-from sssd.common.model_loader import (LoadedModel, _save_atomically, load_causal_lm,
+from sssd.common.model_files import save_atomically
+from sssd.common.model_loader import (LoadedModel, load_causal_lm,
                                       model_cache_dir)
 from sssd.common.tokenizer import tokenizer_cache_dir, tokenizer_fingerprint
 
@@ -125,22 +126,19 @@ def test_rejects_a_directory_without_config_json(tmp_path):
         load_causal_lm(tmp_path)
 
 
-class _FailingModel:
+def _failing_write(directory):
     """Writes part of a checkpoint, then fails as a full disk or a kill would."""
-
-    def save_pretrained(self, directory, safe_serialization=True):
-        (Path(directory) / "model.safetensors").write_bytes(b"partial")
-        raise OSError("No space left on device")
+    (Path(directory) / "model.safetensors").write_bytes(b"partial")
+    raise OSError("No space left on device")
 
 
-class _SavingModel:
-    def save_pretrained(self, directory, safe_serialization=True):
-        (Path(directory) / "model.safetensors").write_bytes(b"complete")
+def _write(directory):
+    (Path(directory) / "model.safetensors").write_bytes(b"complete")
 
 
 def test_an_interrupted_save_leaves_no_entry(tmp_path):
     target = tmp_path / "models" / "digest"
-    _save_atomically(_FailingModel(), target, source=Path("model.gguf"))
+    assert save_atomically(target, _failing_write) is False
     assert list((tmp_path / "models").iterdir()) == []
 
 
@@ -148,7 +146,7 @@ def test_a_save_replaces_an_unmarked_entry(tmp_path):
     target = tmp_path / "models" / "digest"
     target.mkdir(parents=True)
     (target / "model.safetensors").write_bytes(b"partial")  # a crash before the marker
-    _save_atomically(_SavingModel(), target, source=Path("model.gguf"))
+    assert save_atomically(target, _write)
     assert (target / "model.safetensors").read_bytes() == b"complete"
     assert (target / "sssd-complete").is_file()
     assert [p.name for p in (tmp_path / "models").iterdir()] == ["digest"]
@@ -159,6 +157,6 @@ def test_a_save_keeps_a_complete_entry_another_process_wrote(tmp_path):
     target.mkdir(parents=True)
     (target / "model.safetensors").write_bytes(b"theirs")
     (target / "sssd-complete").write_text("{}")
-    _save_atomically(_SavingModel(), target, source=Path("model.gguf"))
+    save_atomically(target, _write)
     assert (target / "model.safetensors").read_bytes() == b"theirs"
     assert [p.name for p in (tmp_path / "models").iterdir()] == ["digest"]
