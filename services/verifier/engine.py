@@ -37,7 +37,7 @@ class EngineStats:
     verify_s: float = 0.0  # time in verification forwards
     prefill_s: float = 0.0
     num_draft_failures: int = 0  # steps decoded without speculation because the drafter failed
-    budgets: list[int] = field(default_factory=list)
+    budget_counts: dict[int, int] = field(default_factory=dict)  # steps per chosen budget
 
     @property
     def mean_accepted_per_step(self) -> float:
@@ -129,7 +129,7 @@ class Engine:
         self.stats.num_steps += 1
         self.stats.num_row_steps += len(self.running)
         self.stats.verify_s += verify_s
-        self.stats.budgets.append(budget)
+        self.stats.budget_counts[budget] = self.stats.budget_counts.get(budget, 0) + 1
         self.budget_policy.observe(len(self.running), budget,
                                    [len(r.accepted_tokens) for r in results], verify_s)
         return finished + self._retire()
