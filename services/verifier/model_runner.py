@@ -36,18 +36,9 @@ class ModelRunner:
             raise ValueError(f"prompt of {len(token_ids)} tokens does not fit the cache "
                              f"({self.max_len} positions)")
         self.cache.set_length(slot, 0)
-        batch = build_tree_batch([chain_tree(token_ids)], [0], self.dtype)
-        self.cache.begin_step(slot, 1, batch.write_positions, batch.kv_len)
-        output = self.model(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            attention_mask=batch.attention_mask,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        logits = self._forward([chain_tree(token_ids)], first_slot=slot, logits_to_keep=1)
         self.cache.set_length(slot, len(token_ids))
-        return output.logits[0, -1].float()
+        return logits[0, -1].float()
 
     @torch.inference_mode()
     def verify(self, trees: Sequence[DraftTree]) -> torch.Tensor:
@@ -56,17 +47,23 @@ class ModelRunner:
         Returns logits [num_seqs, max_nodes, vocab_size] float32; row i's first
         trees[i].num_nodes positions are real. Call `commit` afterwards.
         """
-        cache_lens = [self.cache.lengths[slot] for slot in range(len(trees))]
+        return self._forward(trees, first_slot=0).float()
+
+    def _forward(self, trees: Sequence[DraftTree], first_slot: int,
+                 logits_to_keep: int = 0) -> torch.Tensor:
+        """Trees of slots [first_slot, first_slot + len(trees)) through the model: raw logits."""
+        cache_lens = [self.cache.lengths[first_slot + row] for row in range(len(trees))]
         batch = build_tree_batch(trees, cache_lens, self.dtype)
-        self.cache.begin_step(0, len(trees), batch.write_positions, batch.kv_len)
+        self.cache.begin_step(first_slot, len(trees), batch.write_positions, batch.kv_len)
         output = self.model(
             input_ids=batch.input_ids,
             position_ids=batch.position_ids,
             attention_mask=batch.attention_mask,
             past_key_values=self.cache,
             use_cache=True,
+            logits_to_keep=logits_to_keep,
         )
-        return output.logits.float()
+        return output.logits
 
     def commit(self, accepted_nodes: Sequence[Sequence[int]]) -> None:
         """Keeps row i's root and accepted path (node indices, root excluded) in the cache."""
