@@ -12,11 +12,23 @@ from dataclasses import dataclass
 import numpy as np
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DraftTree:
     token_ids: np.ndarray  # [num_nodes] int32; token_ids[0] is the last accepted token
     parents: np.ndarray  # [num_nodes] int32; -1 for the root, else an index < own index
     probs: np.ndarray | None = None  # [num_nodes] float32; drafter's estimate, 1.0 at the root
+
+    def __eq__(self, other: object) -> bool:
+        """Exact equality: same tokens, same parents in the same order, same probs."""
+        if not isinstance(other, DraftTree):
+            return NotImplemented
+        if (self.probs is None) != (other.probs is None):
+            return False
+        return (np.array_equal(self.token_ids, other.token_ids)
+                and np.array_equal(self.parents, other.parents)
+                and (self.probs is None or np.array_equal(self.probs, other.probs)))
+
+    __hash__ = None  # mutable arrays inside: not hashable
 
     @property
     def num_nodes(self) -> int:

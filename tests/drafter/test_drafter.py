@@ -39,13 +39,6 @@ def drafter(datastore_dir):
     drafter.close()
 
 
-def assert_same_trees(a: list[DraftTree], b: list[DraftTree]) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(x.token_ids, y.token_ids)
-        np.testing.assert_array_equal(x.parents, y.parents)
-        np.testing.assert_array_equal(x.probs, y.probs)
-
 
 def check(tree: DraftTree, budget: int, root: int) -> None:
     assert _core.check_draft_tree(tree.token_ids, tree.parents, tree.probs, budget, root) == ""
@@ -58,7 +51,7 @@ def test_trees_are_valid_and_continuations_equal_a_restart(drafter):
     assert first.num_nodes == 16  # the sequence is in the datastore: plenty of candidates
     step = drafter.propose([DraftRequest("a", [7, 8], 16)])[0]
     restarted = drafter.propose([DraftRequest("b", context + [7, 8], 16, is_start=True)])[0]
-    assert_same_trees([step], [restarted])
+    assert [step] == [restarted]
 
 
 def test_unknown_sequence_is_not_found_and_restart_recovers(drafter):
@@ -103,7 +96,7 @@ def test_bad_input_is_refused_and_changes_nothing(drafter, requests, message):
     assert drafter.num_sequences == 1
     after = drafter.propose([DraftRequest("a", [9], 16)])
     reference = drafter.propose([DraftRequest("ref", context + [9], 16, is_start=True)])
-    assert_same_trees(after, reference)
+    assert after == reference
 
 
 def test_sequence_table_capacity(drafter):

@@ -95,13 +95,6 @@ def remote(server) -> Iterator[RemoteDrafter]:
         yield remote
 
 
-def assert_same_trees(a: list[DraftTree], b: list[DraftTree]) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(x.token_ids, y.token_ids)
-        np.testing.assert_array_equal(x.parents, y.parents)
-        np.testing.assert_array_equal(x.probs, y.probs)
-
 
 def assert_valid(tree: DraftTree, budget: int, root: int) -> None:
     assert tree.token_ids.dtype == np.int32 and tree.parents.dtype == np.int32
@@ -130,7 +123,7 @@ def test_batched_propose_equals_in_process_drafter(remote, local):
     ids = [new_id() for _ in budgets]
     start = [DraftRequest(s, c, b, is_start=True) for s, c, b in zip(ids, contexts, budgets)]
     trees = remote.propose(start)
-    assert_same_trees(trees, local.propose(start))
+    assert trees == local.propose(start)
     for tree, budget, ctx in zip(trees, budgets, contexts):
         assert_valid(tree, budget, ctx[-1])
     assert trees[2].num_nodes == MAX_BUDGET  # the contexts are in the datastore
@@ -139,7 +132,7 @@ def test_batched_propose_equals_in_process_drafter(remote, local):
     step = [DraftRequest(ids[0], np.array([3, 4], dtype=np.int32), 8),
             DraftRequest(ids[1], [], 8), DraftRequest(ids[2], [5], MAX_BUDGET)]
     trees = remote.propose(step)
-    assert_same_trees(trees, local.propose(step))
+    assert trees == local.propose(step)
     for tree, budget, root in zip(trees, [8, 8, MAX_BUDGET], [4, contexts[1][-1], 5]):
         assert_valid(tree, budget, root)
 
@@ -150,7 +143,7 @@ def test_continuation_equals_a_restart_with_the_full_context(remote):
     remote.propose([DraftRequest(seq_id, ctx[10:25], 8)])
     continued = remote.propose([DraftRequest(seq_id, ctx[25:], MAX_BUDGET)])
     restarted = remote.propose([DraftRequest(new_id(), ctx, MAX_BUDGET, is_start=True)])
-    assert_same_trees(continued, restarted)
+    assert continued == restarted
 
 
 def test_unknown_sequence_is_not_found_until_restarted(stub, remote):
@@ -231,7 +224,7 @@ def test_bad_input_is_invalid_argument_and_changes_nothing(case, stub, remote, l
     with pytest.raises(SequenceNotFound):
         remote.propose([DraftRequest(started, [1], 4)])
     step = [DraftRequest(live, [7, 8], MAX_BUDGET)]  # as if the bad call had never happened
-    assert_same_trees(remote.propose(step), local.propose(step))
+    assert remote.propose(step) == local.propose(step)
     remote.end([live])
     local.end([live])
 
