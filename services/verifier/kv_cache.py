@@ -35,6 +35,7 @@ class SlotKVCache:
         # Set by `begin_step` for the forward pass in flight.
         self._rows: slice | None = None
         self._write_positions: torch.Tensor | None = None  # [num_rows, num_nodes]
+        self._row_index: torch.Tensor | None = None  # [num_rows, 1]
         self._kv_len = 0
 
     # --- the forward pass --------------------------------------------------------------------
@@ -46,6 +47,7 @@ class SlotKVCache:
             raise ValueError(f"step needs {kv_len} cache positions, the cache holds {self.max_len}")
         self._rows = slice(first_slot, first_slot + num_rows)
         self._write_positions = write_positions
+        self._row_index = torch.arange(num_rows).unsqueeze(1)  # [num_rows, 1], once per step
         self._kv_len = kv_len
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int,
@@ -57,8 +59,7 @@ class SlotKVCache:
         assert self._rows is not None, "begin_step must come before the forward pass"
         key_buffer = self.keys[layer_idx][self._rows]  # [num_rows, heads, max_len, head_dim]
         value_buffer = self.values[layer_idx][self._rows]
-        num_rows = keys.shape[0]
-        rows = torch.arange(num_rows).unsqueeze(1)  # [num_rows, 1]
+        rows = self._row_index
         # Advanced indexing puts (row, node) first: [num_rows, num_nodes, heads, head_dim].
         key_buffer[rows, :, self._write_positions] = keys.transpose(1, 2)
         value_buffer[rows, :, self._write_positions] = values.transpose(1, 2)
