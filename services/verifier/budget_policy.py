@@ -28,8 +28,9 @@ DEFAULT_BATCHES = (1, 2, 4, 8)
 class BudgetPolicy(Protocol):
     def budget(self, batch_size: int) -> int: ...
 
-    def observe(self, batch_size: int, budget: int, accepted: Sequence[int],
-                verify_s: float) -> None: ...
+    def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
+                verify_s: float) -> None:
+        """After a step at `budget`: per row, the tree nodes of its accepted path."""
 
 
 class FixedBudget:
@@ -41,7 +42,7 @@ class FixedBudget:
     def budget(self, batch_size: int) -> int:
         return self._budget
 
-    def observe(self, batch_size: int, budget: int, accepted: Sequence[int],
+    def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
                 verify_s: float) -> None:
         pass
 
@@ -54,7 +55,7 @@ class RuleBudget:
     def budget(self, batch_size: int) -> int:
         return speculation_budget(batch_size, self.knee_intensity, self.max_budget)
 
-    def observe(self, batch_size: int, budget: int, accepted: Sequence[int],
+    def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
                 verify_s: float) -> None:
         pass
 
@@ -96,36 +97,59 @@ class ForwardProfile:
 class MeasuredBudget:
     """argmax over s_q of E[emitted tokens | s_q] / t(b, s_q), E learned online.
 
-    E[emitted | s_q] = 1 + E[accepted | s_q] is tracked per budget with an exponential moving
-    average. Budgets not yet tried start optimistic (as if every node were accepted along a
-    chain of log2(s_q) + 1) so each gets measured; the average then corrects them.
+    E[emitted | s_q] = 1 + E[accepted | s_q]. One verified tree of budget B also tells what every
+    smaller budget s would have accepted: the drafter inserts nodes best-first (ALGORITHM.md,
+    "Output"), so the tree of budget s is exactly the first s nodes of the tree of budget B, and
+    the accepted path cut at its first node with index >= s is what that tree would have kept
+    (node indices grow along a path, parents before children). So every step updates the
+    estimate of all budgets up to its own, with an exponential moving average per budget.
+
+    Larger budgets than the one in use are learned by exploration: the first step runs at the
+    largest budget (measuring all of them at once), and every `explore_every`-th step runs at
+    the next larger budget than the best. Near-ties go to the smaller budget: it costs less
+    drafting and cache room for nothing.
     """
 
-    def __init__(self, profile: ForwardProfile, max_budget: int, decay: float = 0.1,
-                 tie_tolerance: float = 0.05) -> None:
+    def __init__(self, profile: ForwardProfile, max_budget: int, decay: float = 0.05,
+                 explore_every: int = 8, tie_tolerance: float = 0.03) -> None:
         self.profile = profile
-        self.tie_tolerance = tie_tolerance
-        self.candidates = [(j, s) for j, s in enumerate(profile.budgets) if s <= max_budget]
+        self.candidates = sorted(((j, s) for j, s in enumerate(profile.budgets) if s <= max_budget),
+                                 key=lambda candidate: candidate[1])  # ascending budgets
         if not self.candidates:
             raise ValueError("no profiled budget is <= max_budget")
+        if not 0 < decay <= 1 or explore_every < 2:
+            raise ValueError("need 0 < decay <= 1 and explore_every >= 2")
         self.decay = decay
-        self.expected_accepted = {s: float(np.log2(s)) + 1.0 if s > 1 else 0.0
-                                  for _, s in self.candidates}
+        self.explore_every = explore_every
+        self.tie_tolerance = tie_tolerance
+        # Mean accepted draft tokens per row at each budget; None until first observed.
+        self.expected_accepted: dict[int, float | None] = {s: None for _, s in self.candidates}
+        self._num_calls = 0
 
     def budget(self, batch_size: int) -> int:
-        def rate(candidate: tuple[int, int]) -> float:
-            index, s = candidate
+        self._num_calls += 1
+        unobserved = [s for _, s in self.candidates if self.expected_accepted[s] is None]
+        if unobserved:
+            return max(unobserved)  # one step there measures every smaller budget too
+
+        def rate(index: int, s: int) -> float:
             return (1.0 + self.expected_accepted[s]) / self.profile.time(batch_size, index)
 
-        # Near-ties go to the smaller budget: it costs less drafting and cache room for nothing.
-        best = max(rate(c) for c in self.candidates)
-        return min(s for index, s in self.candidates
-                   if rate((index, s)) >= (1.0 - self.tie_tolerance) * best)
+        rates = [rate(index, s) for index, s in self.candidates]
+        threshold = (1.0 - self.tie_tolerance) * max(rates)
+        best = next(i for i, r in enumerate(rates) if r >= threshold)  # smallest near-best
+        if self._num_calls % self.explore_every == 0 and best + 1 < len(self.candidates):
+            return self.candidates[best + 1][1]
+        return self.candidates[best][1]
 
-    def observe(self, batch_size: int, budget: int, accepted: Sequence[int],
+    def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
                 verify_s: float) -> None:
-        if budget not in self.expected_accepted or not accepted:
+        if not accepted_nodes:
             return
-        mean = float(np.mean(accepted))
-        old = self.expected_accepted[budget]
-        self.expected_accepted[budget] = old + self.decay * (mean - old)
+        for _, s in self.candidates:
+            if s > budget:
+                break
+            mean = float(np.mean([sum(1 for node in path if node < s)
+                                  for path in accepted_nodes]))
+            old = self.expected_accepted[s]
+            self.expected_accepted[s] = mean if old is None else old + self.decay * (mean - old)

@@ -131,7 +131,7 @@ class Engine:
         self.stats.verify_s += verify_s
         self.stats.budget_counts[budget] = self.stats.budget_counts.get(budget, 0) + 1
         self.budget_policy.observe(len(self.running), budget,
-                                   [len(r.accepted_tokens) for r in results], verify_s)
+                                   [r.accepted_nodes for r in results], verify_s)
         return finished + self._retire()
 
     def _admit(self) -> list[Sequence]:

@@ -12,6 +12,7 @@ from sssd.common.model_loader import LoadedModel, load_causal_lm
 from sssd.drafter.config import DrafterConfig
 from sssd.drafter.drafter import Drafter
 from sssd.verifier.budget_policy import (
+    DEFAULT_BUDGETS,
     BudgetPolicy,
     FixedBudget,
     ForwardProfile,
@@ -29,7 +30,8 @@ PROFILE_CONTEXT = 256  # cached tokens per sequence while profiling the forward 
 
 def profile_forward(runner: ModelRunner, max_batch_size: int) -> ForwardProfile:
     """Times verification forwards of b sequences x s_q nodes on this model and device."""
-    prompt = list(range(100, 100 + PROFILE_CONTEXT))
+    context = max(1, min(PROFILE_CONTEXT, runner.max_len - max(DEFAULT_BUDGETS) - 1))
+    prompt = list(range(100, 100 + context))
     for slot in range(max_batch_size):
         runner.prefill(slot, prompt)
 
@@ -40,8 +42,12 @@ def profile_forward(runner: ModelRunner, max_batch_size: int) -> ForwardProfile:
         runner.verify([tree] * batch_size)  # nothing is committed: the cache stays as it was
         return time.perf_counter() - start
 
-    batches = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_batch_size]
+    batches = profiled_batches(max_batch_size)
     return ForwardProfile.measure(forward, batches=batches)
+
+
+def profiled_batches(max_batch_size: int) -> list[int]:
+    return [b for b in (1, 2, 4, 8, 16, 32) if b <= max_batch_size]
 
 
 def make_budget_policy(config: EngineConfig, runner: ModelRunner) -> BudgetPolicy:
@@ -52,10 +58,13 @@ def make_budget_policy(config: EngineConfig, runner: ModelRunner) -> BudgetPolic
     if config.profile_path:
         try:
             profile = ForwardProfile.load(config.profile_path)
+        except FileNotFoundError:
+            profile = None
+        # A profile made with fewer KV slots lacks the larger batches: measure again.
+        if profile is not None and \
+                set(profiled_batches(config.max_batch_size)) <= set(profile.batches):
             logger.info("loaded forward profile %s", config.profile_path)
             return MeasuredBudget(profile, config.max_budget)
-        except FileNotFoundError:
-            pass
     start = time.perf_counter()
     profile = profile_forward(runner, config.max_batch_size)
     logger.info("profiled the forward pass in %.1f s", time.perf_counter() - start)

@@ -54,6 +54,20 @@ def test_trees_are_valid_and_continuations_equal_a_restart(drafter):
     assert [step] == [restarted]
 
 
+def test_smaller_budget_tree_is_a_prefix_of_the_larger(drafter):
+    # The measured budget policy relies on this: best-first insertion makes the tree of
+    # budget s the first s nodes of the tree of any larger budget for the same context.
+    for doc in corpus(0)[:3]:
+        context = doc[:12].tolist()
+        big = drafter.propose([DraftRequest("big", context, 32, is_start=True)])[0]
+        for budget in (2, 4, 8, 16):
+            small = drafter.propose([DraftRequest("s", context, budget, is_start=True)])[0]
+            assert small == DraftTree(big.token_ids[:budget], big.parents[:budget],
+                                      big.probs[:budget])
+            drafter.end(["s"])
+        drafter.end(["big"])
+
+
 def test_unknown_sequence_is_not_found_and_restart_recovers(drafter):
     with pytest.raises(SequenceNotFound) as info:
         drafter.propose([DraftRequest("x", [1, 2], 8), DraftRequest("y", [1], 8)])

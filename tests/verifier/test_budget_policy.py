@@ -21,23 +21,38 @@ def test_rule_is_knee_over_batch_size():
 
 def test_measured_policy_follows_observed_acceptance():
     policy = MeasuredBudget(flat_then_linear_profile(), max_budget=32)
-    # Optimistic start: untried budgets look good, so the largest free one is tried first.
-    assert policy.budget(1) == 16
-    # Nothing is ever accepted: every budget but 1 decays toward zero gain and s_q = 1 wins.
-    for _ in range(400):
+    # The first step runs at the largest budget: it measures every smaller one at once.
+    assert policy.budget(1) == 32
+    # Nothing is ever accepted: every budget ties on one token per step, and the cheapest,
+    # smallest one (s_q = 1) wins; exploration tries the next budget up now and then.
+    chosen = []
+    for _ in range(64):
         s = policy.budget(1)
-        policy.observe(1, s, [0], 0.04)
-    assert policy.budget(1) == 1
+        chosen.append(s)
+        policy.observe(1, s, [[]], 0.04)
+    assert chosen[-16:].count(1) >= 14 and set(chosen[1:]) <= {1, 2}
+
+
+def test_one_tree_measures_every_smaller_budget():
+    policy = MeasuredBudget(flat_then_linear_profile(), max_budget=32)
+    # Two rows; row 0 accepted tree nodes 1, 3, 7 and 20 along its path, row 1 only node 2.
+    policy.observe(1, 32, [[1, 3, 7, 20], [2]], 0.04)
+    # A tree of budget s is the first s nodes: row 0 keeps the path nodes with index < s.
+    assert policy.expected_accepted == {1: 0.0, 2: 0.5, 4: 1.5, 8: 2.0, 16: 2.0, 32: 2.5}
+    # A step at budget 4 says nothing about larger budgets.
+    policy.observe(1, 4, [[1, 2, 3]], 0.04)
+    assert policy.expected_accepted[8] == 2.0 and policy.expected_accepted[4] > 1.5
 
 
 def test_measured_policy_spends_more_when_drafts_are_good():
     policy = MeasuredBudget(flat_then_linear_profile(), max_budget=32)
-    for _ in range(300):
+    for _ in range(100):
         s = policy.budget(1)
-        # Acceptance grows with the budget, saturating: log2(s) accepted tokens.
-        policy.observe(1, s, [int(np.log2(s))], 0.04)
-    assert policy.budget(1) == 16  # free at b = 1 and the most accepted
-    assert policy.budget(8) <= 2  # at b = 8 anything beyond 2 costs more than it gains
+        # Acceptance grows with the budget, saturating: path nodes at 1, 3, 7, 15, 31.
+        policy.observe(1, s, [[1, 3, 7, 15, 31]], 0.04)
+    assert policy.expected_accepted[16] == pytest.approx(4.0)
+    assert policy.budget(1) == 16  # free at b = 1; 32 accepts one more but costs double
+    assert policy.budget(8) == 2  # at b = 8 anything beyond 2 costs more than it gains
 
 
 def test_profile_round_trip(tmp_path):

@@ -1,0 +1,202 @@
+"""End-to-end decoding speed: autoregressive vs prompt-lookup vs SSSD, greedy, on MT-Bench.
+
+For each batch size, the engine decodes all the MT-Bench first turns (chat template applied)
+with continuous batching at that batch size, `--max-tokens` new tokens each, greedy. Modes:
+`ar` (no speculation, the baseline), `prompt_lookup` (input trie only) and `sssd` (input trie +
+datastore), the last two under both budget policies (`rule`, `measured`). Every configuration
+runs in this one process, side by side, after a short warm-up; speedups are over `ar` at the
+same batch size in the same run.
+
+The datastore is the model's own answers to ShareGPT prompts, made with
+`sssd-self-outputs generate` and `sssd-self-outputs build --conversations N`; the JSON names the
+directory and the number of conversations and tokens it holds.
+
+Prints one JSON object per (mode, batch, policy) on stdout:
+  tok_s                       output tokens per second of wall time (prefill included)
+  speedup                     tok_s / tok_s of ar at the same batch size
+  tokens_per_step             tokens emitted per sequence per verification step (accepted + 1)
+  draft_accepted_per_step     draft tokens accepted per sequence per step (tokens_per_step - 1)
+  draft_ms_per_step           mean wall time of the batched drafter call per step
+  verify_ms_per_step          mean wall time of the verification forward pass per step
+  same_as_ar                  prompts whose output equals ar's at the same batch size (bf16
+                              ties can flip argmax between batch shapes; float32 is exact, see
+                              tests/verifier/test_engine_greedy.py)
+and, with `--hf-prompts`, one row for transformers' own `generate()` at batch size 1.
+A PNG of speedup vs batch size goes to `--png`.
+
+    python bench/e2e.py --datastore var/self-outputs/datastore-3000 --png bench/e2e.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from sssd.common.corpus import first_turns, prompt_token_ids, read_mt_bench
+from sssd.common.model_loader import LoadedModel, load_causal_lm
+from sssd.drafter.manifest import read_manifest
+from sssd.verifier.config import EngineConfig
+from sssd.verifier.engine import EngineStats
+from sssd.verifier.factory import build_engine
+
+logger = logging.getLogger("e2e")
+
+
+def datastore_summary(path: Path | None) -> dict:
+    if path is None:
+        return {}
+    manifest = read_manifest(path)
+    if manifest is None or not manifest.shards:
+        raise SystemExit(f"{path} holds no datastore (no manifest or no shards)")
+    tokens = sum(json.loads((path / shard / "meta.json").read_text()).get("num_tokens", 0)
+                 for shard in manifest.shards)
+    summary = {"datastore": str(path), "datastore_tokens": tokens}
+    if path.name.startswith("datastore-") and path.name.split("-")[1].isdigit():
+        summary["datastore_conversations"] = int(path.name.split("-")[1])
+    return summary
+
+
+def run_config(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, mode: str,
+               batch: int, policy: str, datastore: Path | None, profile_path: Path) -> dict:
+    config = EngineConfig(mode=mode, max_batch_size=batch, budget_policy=policy,
+                          datastore_dir=str(datastore) if mode == "sssd" and datastore else None,
+                          max_len=max(len(p) for p in prompts) + max_tokens + 64,
+                          profile_path=str(profile_path), dtype=str(loaded.dtype).split(".")[-1])
+    engine = build_engine(config, loaded)
+    engine.generate(prompts[:batch], 8)  # warm-up: allocator, kernels, drafter threads
+    engine.stats = EngineStats()
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, max_tokens)
+    elapsed = time.perf_counter() - start
+    stats = engine.stats
+    close = getattr(engine.proposer, "close", None)
+    if close:
+        close()
+    num_tokens = sum(len(o) for o in outputs)
+    steps = max(stats.num_steps, 1)
+    return {
+        "mode": mode, "batch": batch, "policy": policy if mode != "ar" else None,
+        "tok_s": num_tokens / elapsed, "elapsed_s": elapsed, "num_tokens": num_tokens,
+        "tokens_per_step": stats.mean_accepted_per_step,
+        "draft_accepted_per_step": stats.num_accepted / max(stats.num_row_steps, 1),
+        "draft_ms_per_step": 1e3 * stats.draft_s / steps,
+        "verify_ms_per_step": 1e3 * stats.verify_s / steps,
+        "prefill_s": stats.prefill_s, "num_steps": stats.num_steps,
+        "draft_failures": stats.num_draft_failures,
+        "budget_counts": {str(k): v for k, v in sorted(stats.budget_counts.items())},
+        "_outputs": outputs,
+    }
+
+
+def hf_generate_row(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> dict:
+    """transformers' generate(), greedy, one prompt at a time, after one warm-up call."""
+    model = loaded.model
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompts[0]]), do_sample=False, max_new_tokens=8)
+        start, num_tokens = time.perf_counter(), 0
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), do_sample=False,
+                                 max_new_tokens=max_tokens)
+            num_tokens += out.shape[1] - len(prompt)
+        elapsed = time.perf_counter() - start
+    return {"mode": "hf_generate", "batch": 1, "policy": None, "tok_s": num_tokens / elapsed,
+            "elapsed_s": elapsed, "num_tokens": num_tokens, "num_prompts": len(prompts)}
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        if "speedup" in row:
+            label = row["mode"] + (f" ({row['policy']})" if row["policy"] else "")
+            series.setdefault(label, []).append((row["batch"], row["speedup"]))
+    for label, points in sorted(series.items()):
+        points.sort()
+        ax.plot([b for b, _ in points], [s for _, s in points], marker="o", label=label)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("speedup over autoregressive")
+    ax.set_xscale("log", base=2)
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--datastore", type=Path, default=None,
+                        help="datastore for sssd (default: the largest var/self-outputs/datastore-N)")
+    parser.add_argument("--prompts", type=int, default=80, help="MT-Bench first turns (80)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--batch-sizes", default="1,4,8")
+    parser.add_argument("--modes", default="ar,prompt_lookup,sssd")
+    parser.add_argument("--policies", default="rule,measured")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--hf-prompts", type=int, default=10,
+                        help="prompts for the transformers generate() row (0: skip)")
+    parser.add_argument("--profile", type=Path, default=Path("var/forward-profile.json"),
+                        help="forward-pass profile of the measured policy (made if missing)")
+    parser.add_argument("--png", type=Path, default=Path("bench/e2e.png"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(message)s")
+
+    datastore = args.datastore
+    if datastore is None:
+        candidates = sorted(Path("var/self-outputs").glob("datastore-*"),
+                            key=lambda p: int(p.name.split("-")[1]))
+        datastore = candidates[-1] if candidates else None
+    modes = args.modes.split(",")
+    if "sssd" in modes and datastore is None:
+        raise SystemExit("no datastore: run `sssd-self-outputs generate` and `build` first, "
+                         "or pass --datastore")
+    summary = datastore_summary(datastore if "sssd" in modes else None)
+    args.profile.parent.mkdir(parents=True, exist_ok=True)
+
+    loaded = load_causal_lm(None, args.dtype)
+    torch.set_num_threads(torch.get_num_threads())
+    prompts = [prompt_token_ids(loaded.tokenizer, text)
+               for text in first_turns(read_mt_bench())[: args.prompts]]
+    rows = []
+    if args.hf_prompts:
+        row = hf_generate_row(loaded, prompts[: args.hf_prompts], args.max_tokens)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        baseline = None
+        for mode in modes:
+            for policy in (["rule"] if mode == "ar" else args.policies.split(",")):
+                logger.info("running mode=%s batch=%d policy=%s", mode, batch, policy)
+                row = run_config(loaded, prompts, args.max_tokens, mode, batch, policy,
+                                 datastore, args.profile)
+                outputs = row.pop("_outputs")
+                if mode == "ar":
+                    baseline = (row["tok_s"], outputs)
+                if baseline is not None:
+                    row["speedup"] = row["tok_s"] / baseline[0]
+                    row["same_as_ar"] = sum(a == b for a, b in zip(outputs, baseline[1]))
+                row.update(num_prompts=len(prompts), max_tokens=args.max_tokens,
+                           dtype=args.dtype, **(summary if mode == "sssd" else {}))
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    title = (f"SmolLM2-135M {args.dtype}, {len(prompts)} MT-Bench prompts x {args.max_tokens} "
+             f"tokens, greedy\n{summary.get('datastore_conversations', '?')} self-output "
+             f"conversations in the datastore")
+    plot(rows, args.png, title)
+    logger.info("wrote %s", args.png)
+
+
+if __name__ == "__main__":
+    main()
