@@ -24,6 +24,9 @@ def pick_datastore(explicit: Path | None, tokenizer, records: int) -> Path:
     from sssd.drafter.manifest import read_manifest
 
     if explicit is not None:
+        if not getattr(read_manifest(explicit), "shards", ()):
+            raise SystemExit(f"sssd-generate: error: {explicit} holds no datastore "
+                             "(no manifest.json listing shards)")
         return explicit
     built = [p for p in Path("var/self-outputs").glob("datastore-*")
              if p.name.split("-")[1].isdigit() and getattr(read_manifest(p), "shards", ())]

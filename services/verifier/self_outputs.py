@@ -23,13 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from sssd.common.model_loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +61,10 @@ def _truncate_partial_line(path: Path) -> None:
             f.truncate(end)
 
 
-def generate(directory: Path, start: int, stop: int, max_tokens: int, batch_size: int,
-             max_prompt_tokens: int, dtype: str) -> int:
+def generate(directory: Path, loaded: LoadedModel, start: int, stop: int, max_tokens: int,
+             batch_size: int, max_prompt_tokens: int) -> int:
     """Answers ShareGPT records [start, stop) not yet in the file; returns how many it added."""
-    import torch  # heavy imports only for this command
-
     from sssd.common.corpus import conversation_token_ids, iter_sharegpt, sharegpt_messages
-    from sssd.common.model_loader import load_causal_lm
     from sssd.verifier.config import EngineConfig
     from sssd.verifier.factory import build_engine
 
@@ -73,11 +72,9 @@ def generate(directory: Path, start: int, stop: int, max_tokens: int, batch_size
     path = directory / "outputs.jsonl"
     _truncate_partial_line(path)
     done = {record["record"] for record in read_outputs(path)}
-    loaded = load_causal_lm(None, dtype)
-    config = EngineConfig(dtype=dtype, mode="ar", max_batch_size=batch_size,
-                          max_len=max_prompt_tokens + max_tokens + 2)
+    config = EngineConfig(dtype=str(loaded.dtype).removeprefix("torch."), mode="ar",
+                          max_batch_size=batch_size, max_len=max_prompt_tokens + max_tokens + 2)
     engine = build_engine(config, loaded)
-    torch.set_num_threads(os.cpu_count() or 1)
 
     def prompts() -> Iterator[tuple[int, list[int] | None]]:
         for index, record in enumerate(iter_sharegpt(start, stop), start=start):
@@ -174,8 +171,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "generate":
         if not 0 <= args.start < args.stop:
             parser.error("need 0 <= --start < --stop")
-        added = generate(args.dir, args.start, args.stop, args.max_tokens, args.batch_size,
-                         args.max_prompt_tokens, args.dtype)
+        from sssd.common.model_loader import load_causal_lm
+
+        added = generate(args.dir, load_causal_lm(None, args.dtype), args.start, args.stop,
+                         args.max_tokens, args.batch_size, args.max_prompt_tokens)
         print(json.dumps({"added": added, "file": str(args.dir / "outputs.jsonl")}))
     else:
         print(json.dumps({"datastore": str(build(args.dir, args.conversations))}))
