@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -62,36 +63,72 @@ def datastore_summary(path: Path | None) -> dict:
     return summary
 
 
-def run_config(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, mode: str,
-               batch: int, policy: str, datastore: Path | None, profile_path: Path) -> dict:
-    config = EngineConfig(mode=mode, max_batch_size=batch, budget_policy=policy,
-                          datastore_dir=str(datastore) if mode == "sssd" and datastore else None,
-                          max_len=max(len(p) for p in prompts) + max_tokens + 64,
-                          profile_path=str(profile_path), dtype=str(loaded.dtype).split(".")[-1])
-    engine = build_engine(config, loaded)
-    engine.generate(prompts[:batch], 8)  # warm-up: allocator, kernels, drafter threads
-    engine.stats = EngineStats()
-    start = time.perf_counter()
-    outputs = engine.generate(prompts, max_tokens)
-    elapsed = time.perf_counter() - start
-    stats = engine.stats
-    close = getattr(engine.proposer, "close", None)
-    if close:
-        close()
-    num_tokens = sum(len(o) for o in outputs)
-    steps = max(stats.num_steps, 1)
-    return {
-        "mode": mode, "batch": batch, "policy": policy if mode != "ar" else None,
-        "tok_s": num_tokens / elapsed, "elapsed_s": elapsed, "num_tokens": num_tokens,
-        "tokens_per_step": stats.mean_accepted_per_step,
-        "draft_accepted_per_step": stats.num_accepted / max(stats.num_row_steps, 1),
-        "draft_ms_per_step": 1e3 * stats.draft_s / steps,
-        "verify_ms_per_step": 1e3 * stats.verify_s / steps,
-        "prefill_s": stats.prefill_s, "num_steps": stats.num_steps,
-        "draft_failures": stats.num_draft_failures,
-        "budget_counts": {str(k): v for k, v in sorted(stats.budget_counts.items())},
-        "_outputs": outputs,
-    }
+class Run:
+    """One (mode, batch, policy) configuration: its engine and what it measured so far."""
+
+    def __init__(self, loaded: LoadedModel, mode: str, batch: int, policy: str, max_len: int,
+                 drafter_target: str | None, datastore: Path | None, profile_path: Path,
+                 warmup: list[list[int]]) -> None:
+        self.mode, self.batch, self.policy = mode, batch, policy
+        config = EngineConfig(
+            mode=mode, max_batch_size=batch, budget_policy=policy, max_len=max_len,
+            drafter_target=drafter_target, drafter_timeout_s=5.0,
+            datastore_dir=str(datastore) if mode == "sssd" and datastore else None,
+            profile_path=str(profile_path), dtype=str(loaded.dtype).removeprefix("torch."))
+        self.engine = build_engine(config, loaded)
+        self.engine.generate(warmup, 8)  # allocator, kernels, drafter connection
+        self.engine.stats = EngineStats()
+        self.elapsed = 0.0
+        self.chunk_tok_s: list[float] = []
+        self.outputs: list[list[int]] = []
+
+    def run_chunk(self, prompts: list[list[int]], max_tokens: int) -> None:
+        start = time.perf_counter()
+        outputs = self.engine.generate(prompts, max_tokens)
+        elapsed = time.perf_counter() - start
+        self.elapsed += elapsed
+        self.chunk_tok_s.append(sum(len(o) for o in outputs) / elapsed)
+        self.outputs += outputs
+
+    def row(self) -> dict:
+        stats = self.engine.stats
+        num_tokens = sum(len(o) for o in self.outputs)
+        steps = max(stats.num_steps, 1)
+        return {
+            "mode": self.mode, "batch": self.batch,
+            "policy": self.policy if self.mode != "ar" else None,
+            "tok_s": num_tokens / self.elapsed, "elapsed_s": self.elapsed,
+            "num_tokens": num_tokens,
+            "tokens_per_step": stats.mean_accepted_per_step,
+            "draft_accepted_per_step": stats.num_accepted / max(stats.num_row_steps, 1),
+            "draft_ms_per_step": 1e3 * stats.draft_s / steps,
+            "verify_ms_per_step": 1e3 * stats.verify_s / steps,
+            "prefill_s": stats.prefill_s, "num_steps": stats.num_steps,
+            "draft_failures": stats.num_draft_failures,
+            "budget_counts": {str(k): v for k, v in sorted(stats.budget_counts.items())},
+        }
+
+    def close(self) -> None:
+        close = getattr(self.engine.proposer, "close", None)
+        if close:
+            close()
+
+
+def start_drafters(loaded: LoadedModel, datastore: Path | None) -> dict[str, tuple]:
+    """gRPC drafter services on 127.0.0.1: one without a datastore (prompt lookup) and, for
+    SSSD, one with it. Returns {mode: (target, (server, drafter))}."""
+    from sssd.drafter.config import DrafterConfig
+    from sssd.drafter.service import create_server
+
+    servers = {}
+    for mode, directory in (("prompt_lookup", None), ("sssd", datastore)):
+        if mode == "sssd" and directory is None:
+            continue
+        server, port, drafter = create_server(DrafterConfig(
+            datastore_dir=str(directory) if directory else None, vocab_size=loaded.vocab_size,
+            tokenizer_fingerprint=loaded.fingerprint, host="127.0.0.1", port=0))
+        servers[mode] = (f"127.0.0.1:{port}", (server, drafter))
+    return servers
 
 
 def hf_generate_row(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -148,6 +185,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="prompts for the transformers generate() row (0: skip)")
     parser.add_argument("--profile", type=Path, default=Path("var/forward-profile.json"),
                         help="forward-pass profile of the measured policy (made if missing)")
+    parser.add_argument("--chunks", type=int, default=5,
+                        help="prompt chunks; configurations take turns chunk by chunk (5)")
+    parser.add_argument("--drafter", default="grpc", choices=("grpc", "inproc"),
+                        help="drafter as a gRPC service on 127.0.0.1 (default) or in process")
     parser.add_argument("--png", type=Path, default=Path("bench/e2e.png"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -169,28 +210,49 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(torch.get_num_threads())
     prompts = [prompt_token_ids(loaded.tokenizer, text)
                for text in first_turns(read_mt_bench())[: args.prompts]]
+    max_len = max(len(p) for p in prompts) + args.max_tokens + 64
+    chunks = [prompts[i::args.chunks] for i in range(args.chunks)]  # mixed lengths in each
+    servers = start_drafters(loaded, datastore if "sssd" in modes else None) \
+        if args.drafter == "grpc" else {}
     rows = []
-    if args.hf_prompts:
-        row = hf_generate_row(loaded, prompts[: args.hf_prompts], args.max_tokens)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        baseline = None
-        for mode in modes:
-            for policy in (["rule"] if mode == "ar" else args.policies.split(",")):
-                logger.info("running mode=%s batch=%d policy=%s", mode, batch, policy)
-                row = run_config(loaded, prompts, args.max_tokens, mode, batch, policy,
-                                 datastore, args.profile)
-                outputs = row.pop("_outputs")
-                if mode == "ar":
-                    baseline = (row["tok_s"], outputs)
+    try:
+        if args.hf_prompts:
+            row = hf_generate_row(loaded, prompts[: args.hf_prompts], args.max_tokens)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        for batch in [int(b) for b in args.batch_sizes.split(",")]:
+            runs = []
+            for mode in modes:
+                for policy in (["rule"] if mode == "ar" else args.policies.split(",")):
+                    logger.info("building mode=%s batch=%d policy=%s", mode, batch, policy)
+                    target = servers[mode][0] if mode in servers else None
+                    runs.append(Run(loaded, mode, batch, policy, max_len, target, datastore,
+                                    args.profile, prompts[:batch]))
+            # Configurations take turns chunk by chunk, so a slow spell of the shared machine
+            # hits all of them alike; per-chunk speedups are ratios measured side by side.
+            for number, chunk in enumerate(chunks):
+                for run in runs:
+                    run.run_chunk(chunk, args.max_tokens)
+                logger.info("batch %d: chunk %d/%d done", batch, number + 1, len(chunks))
+            baseline = next((run for run in runs if run.mode == "ar"), None)
+            for run in runs:
+                row = run.row()
+                run.close()
                 if baseline is not None:
-                    row["speedup"] = row["tok_s"] / baseline[0]
-                    row["same_as_ar"] = sum(a == b for a, b in zip(outputs, baseline[1]))
+                    speedups = [a / b for a, b in zip(run.chunk_tok_s, baseline.chunk_tok_s)]
+                    row["speedup"] = row["tok_s"] / baseline.row()["tok_s"]
+                    row["speedup_median_chunk"] = statistics.median(speedups)
+                    row["speedup_chunks"] = [round(x, 3) for x in speedups]
+                    row["same_as_ar"] = sum(a == b for a, b in zip(run.outputs, baseline.outputs))
                 row.update(num_prompts=len(prompts), max_tokens=args.max_tokens,
-                           dtype=args.dtype, **(summary if mode == "sssd" else {}))
+                           dtype=args.dtype, drafter=args.drafter,
+                           **(summary if run.mode == "sssd" else {}))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+    finally:
+        for _, (server, drafter) in servers.values():
+            server.stop(grace=1.0).wait()
+            drafter.close()
     title = (f"SmolLM2-135M {args.dtype}, {len(prompts)} MT-Bench prompts x {args.max_tokens} "
              f"tokens, greedy\n{summary.get('datastore_conversations', '?')} self-output "
              f"conversations in the datastore")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Sequence as Seq
@@ -67,6 +68,9 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # running[i] owns KV slot i
         self.stats = EngineStats()
+        # Default request ids are unique per engine: engines that share a drafter service must
+        # not collide on its per-sequence state.
+        self._id_prefix = secrets.token_hex(4)
         self._ids = itertools.count()
 
     # --- requests ----------------------------------------------------------------------------
@@ -89,7 +93,7 @@ class Engine:
             generator = torch.Generator()
             generator.manual_seed(sampling.seed if sampling.seed is not None
                                   else torch.seed())
-        sequence = Sequence(request_id or f"req-{next(self._ids)}", list(prompt_ids), sampling,
+        sequence = Sequence(request_id or f"{self._id_prefix}-{next(self._ids)}", list(prompt_ids), sampling,
                             max_tokens, tuple(stop), generator=generator)
         self.waiting.append(sequence)
         return sequence
