@@ -47,10 +47,15 @@ class RemoteDrafter:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.target = target
         self.timeout_s = timeout_s
-        # Starting a batch of long prompts may exceed gRPC's default 4 MiB message limit.
+        # Starting a batch of long prompts may exceed gRPC's default 4 MiB message limit. The
+        # drafter is a neighbour on the same node or rack: after it restarts, reconnect within a
+        # second (gRPC's default backoff grows to two minutes, all of them without speculation).
         self._channel = grpc.insecure_channel(
             target, options=[("grpc.max_send_message_length", -1),
-                             ("grpc.max_receive_message_length", -1)]
+                             ("grpc.max_receive_message_length", -1),
+                             ("grpc.initial_reconnect_backoff_ms", 100),
+                             ("grpc.min_reconnect_backoff_ms", 100),
+                             ("grpc.max_reconnect_backoff_ms", 1000)]
         )
         self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
 
