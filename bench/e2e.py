@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import statistics
 import sys
 import time
@@ -58,18 +59,19 @@ def datastore_summary(path: Path | None) -> dict:
     tokens = sum(json.loads((path / shard / "meta.json").read_text()).get("num_tokens", 0)
                  for shard in manifest.shards)
     summary = {"datastore": str(path), "datastore_tokens": tokens}
-    if path.name.startswith("datastore-") and path.name.split("-")[1].isdigit():
-        summary["datastore_conversations"] = int(path.name.split("-")[1])
+    match = re.match(r"datastore-(\d+)", path.name)  # sssd-self-outputs names
+    if match:
+        summary["datastore_conversations"] = int(match.group(1))
     return summary
 
 
 class Run:
-    """One (mode, batch, policy) configuration: its engine and what it measured so far."""
+    """One (mode, batch, policy, datastore) configuration: its engine and what it measured."""
 
     def __init__(self, loaded: LoadedModel, mode: str, batch: int, policy: str, max_len: int,
                  drafter_target: str | None, datastore: Path | None, profile_path: Path,
                  warmup: list[list[int]]) -> None:
-        self.mode, self.batch, self.policy = mode, batch, policy
+        self.mode, self.batch, self.policy, self.datastore = mode, batch, policy, datastore
         config = EngineConfig(
             mode=mode, max_batch_size=batch, budget_policy=policy, max_len=max_len,
             drafter_target=drafter_target, drafter_timeout_s=5.0,
@@ -114,20 +116,18 @@ class Run:
             close()
 
 
-def start_drafters(loaded: LoadedModel, datastore: Path | None) -> dict[str, tuple]:
-    """gRPC drafter services on 127.0.0.1: one without a datastore (prompt lookup) and, for
-    SSSD, one with it. Returns {mode: (target, (server, drafter))}."""
+def start_drafters(loaded: LoadedModel, datastores: set[Path | None]) -> dict[Path | None, tuple]:
+    """One gRPC drafter service on 127.0.0.1 per datastore (None: prompt lookup, no datastore).
+    Returns {datastore: (target, (server, drafter))}."""
     from sssd.drafter.config import DrafterConfig
     from sssd.drafter.service import create_server
 
     servers = {}
-    for mode, directory in (("prompt_lookup", None), ("sssd", datastore)):
-        if mode == "sssd" and directory is None:
-            continue
+    for directory in datastores:
         server, port, drafter = create_server(DrafterConfig(
             datastore_dir=str(directory) if directory else None, vocab_size=loaded.vocab_size,
             tokenizer_fingerprint=loaded.fingerprint, host="127.0.0.1", port=0))
-        servers[mode] = (f"127.0.0.1:{port}", (server, drafter))
+        servers[directory] = (f"127.0.0.1:{port}", (server, drafter))
     return servers
 
 
@@ -157,6 +157,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     for row in rows:
         if "speedup" in row:
             label = row["mode"] + (f" ({row['policy']})" if row["policy"] else "")
+            if row.get("datastore_name"):
+                label += f" [{row['datastore_name']}]"
             series.setdefault(label, []).append((row["batch"], row["speedup"]))
     for label, points in sorted(series.items()):
         points.sort()
@@ -171,10 +173,26 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def specs(modes: list[str], policies: list[str], datastore: Path | None,
+          extra: Path | None) -> list[tuple[str, str, Path | None]]:
+    """(mode, policy, datastore) of every configuration, ar first (the baseline)."""
+    result = []
+    for mode in modes:
+        if mode == "ar":
+            result.append(("ar", "rule", None))
+        for policy in policies if mode != "ar" else ():
+            result.append((mode, policy, datastore if mode == "sssd" else None))
+    if extra is not None:
+        result.append(("sssd", "measured", extra))
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--datastore", type=Path, default=None,
                         help="datastore for sssd (default: the largest var/self-outputs/datastore-N)")
+    parser.add_argument("--extra-datastore", type=Path, default=None,
+                        help="a second datastore, run as one more sssd configuration (measured)")
     parser.add_argument("--prompts", type=int, default=80, help="MT-Bench first turns (80)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", default="1,4,8")
@@ -196,23 +214,24 @@ def main(argv: list[str] | None = None) -> None:
 
     datastore = args.datastore
     if datastore is None:
-        candidates = sorted(Path("var/self-outputs").glob("datastore-*"),
+        candidates = sorted((p for p in Path("var/self-outputs").glob("datastore-*")
+                             if p.name.split("-")[1].isdigit()),
                             key=lambda p: int(p.name.split("-")[1]))
         datastore = candidates[-1] if candidates else None
     modes = args.modes.split(",")
     if "sssd" in modes and datastore is None:
         raise SystemExit("no datastore: run `sssd-self-outputs generate` and `build` first, "
                          "or pass --datastore")
-    summary = datastore_summary(datastore if "sssd" in modes else None)
+    configs = specs(modes, args.policies.split(","), datastore, args.extra_datastore)
+    summaries = {ds: datastore_summary(ds) for _, _, ds in configs if ds is not None}
     args.profile.parent.mkdir(parents=True, exist_ok=True)
 
     loaded = load_causal_lm(None, args.dtype)
-    torch.set_num_threads(torch.get_num_threads())
     prompts = [prompt_token_ids(loaded.tokenizer, text)
                for text in first_turns(read_mt_bench())[: args.prompts]]
     max_len = max(len(p) for p in prompts) + args.max_tokens + 64
     chunks = [prompts[i::args.chunks] for i in range(args.chunks)]  # mixed lengths in each
-    servers = start_drafters(loaded, datastore if "sssd" in modes else None) \
+    servers = start_drafters(loaded, {ds for mode, _, ds in configs if mode != "ar"}) \
         if args.drafter == "grpc" else {}
     rows = []
     try:
@@ -222,12 +241,12 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
         for batch in [int(b) for b in args.batch_sizes.split(",")]:
             runs = []
-            for mode in modes:
-                for policy in (["rule"] if mode == "ar" else args.policies.split(",")):
-                    logger.info("building mode=%s batch=%d policy=%s", mode, batch, policy)
-                    target = servers[mode][0] if mode in servers else None
-                    runs.append(Run(loaded, mode, batch, policy, max_len, target, datastore,
-                                    args.profile, prompts[:batch]))
+            for mode, policy, ds in configs:
+                logger.info("building mode=%s batch=%d policy=%s datastore=%s", mode, batch,
+                            policy, ds)
+                target = servers[ds][0] if mode != "ar" and servers else None
+                runs.append(Run(loaded, mode, batch, policy, max_len, target, ds, args.profile,
+                                prompts[:batch]))
             # Configurations take turns chunk by chunk, so a slow spell of the shared machine
             # hits all of them alike; per-chunk speedups are ratios measured side by side.
             for number, chunk in enumerate(chunks):
@@ -245,16 +264,18 @@ def main(argv: list[str] | None = None) -> None:
                     row["speedup_chunks"] = [round(x, 3) for x in speedups]
                     row["same_as_ar"] = sum(a == b for a, b in zip(run.outputs, baseline.outputs))
                 row.update(num_prompts=len(prompts), max_tokens=args.max_tokens,
-                           dtype=args.dtype, drafter=args.drafter,
-                           **(summary if run.mode == "sssd" else {}))
+                           dtype=args.dtype, drafter=args.drafter)
+                if run.datastore is not None:
+                    row.update(summaries[run.datastore], datastore_name=run.datastore.name)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     finally:
         for _, (server, drafter) in servers.values():
             server.stop(grace=1.0).wait()
             drafter.close()
+    main_summary = summaries.get(datastore, {})
     title = (f"SmolLM2-135M {args.dtype}, {len(prompts)} MT-Bench prompts x {args.max_tokens} "
-             f"tokens, greedy\n{summary.get('datastore_conversations', '?')} self-output "
+             f"tokens, greedy\n{main_summary.get('datastore_conversations', '?')} self-output "
              f"conversations in the datastore")
     plot(rows, args.png, title)
     logger.info("wrote %s", args.png)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -65,6 +66,10 @@ def make_budget_policy(config: EngineConfig, runner: ModelRunner) -> BudgetPolic
                 set(profiled_batches(config.max_batch_size)) <= set(profile.batches):
             logger.info("loaded forward profile %s", config.profile_path)
             return MeasuredBudget(profile, config.max_budget)
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > 0.5 * cores:
+        logger.warning("profiling the forward pass on a busy machine (load %.1f on %d cores): "
+                       "its times, and so the budgets chosen, will be off", load, cores)
     start = time.perf_counter()
     profile = profile_forward(runner, config.max_batch_size)
     logger.info("profiled the forward pass in %.1f s", time.perf_counter() - start)

@@ -125,8 +125,13 @@ def generate(directory: Path, loaded: LoadedModel, start: int, stop: int, max_to
     return added
 
 
-def build(directory: Path, num_conversations: int) -> Path:
-    """Builds `<dir>/datastore-<N>` from the first N answered conversations of the file."""
+def build(directory: Path, num_conversations: int, sharegpt_records: int = 0) -> Path:
+    """Builds `<dir>/datastore-<N>` from the first N answered conversations of the file.
+
+    With `sharegpt_records` = M > 0 the datastore also holds ShareGPT records [0, M) as they
+    are (the human and ChatGPT turns, chat template applied): `<dir>/datastore-<N>+sharegpt<M>`,
+    the warm start an operator gets from an offline corpus plus the model's own answers.
+    """
     from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
     from sssd.drafter.build import build_datastore
     from sssd.drafter.manifest import read_manifest
@@ -140,11 +145,21 @@ def build(directory: Path, num_conversations: int) -> Path:
     if len(documents) < num_conversations:
         raise SystemExit(f"only {len(documents)} conversations in {directory}/outputs.jsonl; "
                          f"run `sssd-self-outputs generate` first or ask for fewer")
-    target = directory / f"datastore-{num_conversations}"
-    if target.is_dir() and read_manifest(target).shards:
+    name = f"datastore-{num_conversations}"
+    if sharegpt_records:
+        name += f"+sharegpt{sharegpt_records}"
+    target = directory / name
+    manifest = read_manifest(target) if target.is_dir() else None
+    if manifest is not None and manifest.shards:
         logger.info("%s already built", target)
         return target
     tokenizer = load_tokenizer(None)
+    if sharegpt_records:
+        from sssd.common.corpus import iter_conversation_token_ids, iter_sharegpt
+
+        records = tqdm(iter_sharegpt(0, sharegpt_records), total=sharegpt_records,
+                       desc="tokenizing ShareGPT", unit="conv")
+        documents += iter_conversation_token_ids(tokenizer, records)
     build_datastore(target, documents, vocab_size(tokenizer), tokenizer_fingerprint(tokenizer))
     logger.info("built %s from %d conversations (%d tokens)", target, len(documents),
                 sum(len(d) for d in documents))
@@ -166,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     bld = commands.add_parser("build", help="build a datastore from the first N conversations")
     bld.add_argument("--conversations", type=int, required=True, help="N")
+    bld.add_argument("--with-sharegpt", type=int, default=0, metavar="M",
+                     help="also index ShareGPT records [0, M) as they are (default 0: no)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.command == "generate":
@@ -177,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
                          args.max_tokens, args.batch_size, args.max_prompt_tokens)
         print(json.dumps({"added": added, "file": str(args.dir / "outputs.jsonl")}))
     else:
-        print(json.dumps({"datastore": str(build(args.dir, args.conversations))}))
+        path = build(args.dir, args.conversations, args.with_sharegpt)
+        print(json.dumps({"datastore": str(path)}))
 
 
 if __name__ == "__main__":
