@@ -73,13 +73,22 @@ class ForwardProfile:
 
     @classmethod
     def measure(cls, forward: Callable[[int, int], float], batches: Sequence[int] = DEFAULT_BATCHES,
-                budgets: Sequence[int] = DEFAULT_BUDGETS, repeats: int = 3) -> "ForwardProfile":
-        """`forward(b, s)` runs one verification forward and returns its duration in seconds."""
-        seconds = np.zeros((len(batches), len(budgets)))
-        for i, b in enumerate(batches):
-            for j, s in enumerate(budgets):
-                forward(b, s)  # warm-up
-                seconds[i, j] = np.median([forward(b, s) for _ in range(repeats)])
+                budgets: Sequence[int] = DEFAULT_BUDGETS, rounds: int = 5) -> "ForwardProfile":
+        """`forward(b, s)` runs one verification forward and returns its duration in seconds.
+
+        Every (b, s) is timed once per round, rounds one after another, and the median is kept:
+        a slow spell of a shared machine then spreads over all cells instead of spoiling some.
+        A larger budget never costs less (more rows through the same layers), so the medians are
+        made non-decreasing in s, which removes the remaining inversions from noise.
+        """
+        cells = [(i, j) for i in range(len(batches)) for j in range(len(budgets))]
+        for i, j in cells:
+            forward(batches[i], budgets[j])  # warm-up
+        samples = np.zeros((rounds, len(batches), len(budgets)))
+        for r in range(rounds):
+            for i, j in cells:
+                samples[r, i, j] = forward(batches[i], budgets[j])
+        seconds = np.maximum.accumulate(np.median(samples, axis=0), axis=1)
         return cls(batches, budgets, seconds)
 
     def save(self, path: str | os.PathLike) -> None:
@@ -104,6 +113,10 @@ class MeasuredBudget:
     (node indices grow along a path, parents before children). So every step updates the
     estimate of all budgets up to its own, with an exponential moving average per budget.
 
+    Step times come from the profile until the engine has run (b, s_q) itself; from then on the
+    verification times it observes (a moving average per (b, s_q)) replace the profile's, which
+    was measured on one synthetic context length.
+
     Larger budgets than the one in use are learned by exploration: the first step runs at the
     largest budget (measuring all of them at once), and every `explore_every`-th step runs at
     the next larger budget than the best. Near-ties go to the smaller budget: it costs less
@@ -124,6 +137,7 @@ class MeasuredBudget:
         self.tie_tolerance = tie_tolerance
         # Mean accepted draft tokens per row at each budget; None until first observed.
         self.expected_accepted: dict[int, float | None] = {s: None for _, s in self.candidates}
+        self.observed_seconds: dict[tuple[int, int], float] = {}  # (b, s) -> moving average
         self._num_calls = 0
 
     def budget(self, batch_size: int) -> int:
@@ -133,7 +147,10 @@ class MeasuredBudget:
             return max(unobserved)  # one step there measures every smaller budget too
 
         def rate(index: int, s: int) -> float:
-            return (1.0 + self.expected_accepted[s]) / self.profile.time(batch_size, index)
+            seconds = self.observed_seconds.get((batch_size, s))
+            if seconds is None:
+                seconds = self.profile.time(batch_size, index)
+            return (1.0 + self.expected_accepted[s]) / seconds
 
         rates = [rate(index, s) for index, s in self.candidates]
         threshold = (1.0 - self.tie_tolerance) * max(rates)
@@ -146,6 +163,10 @@ class MeasuredBudget:
                 verify_s: float) -> None:
         if not accepted_nodes:
             return
+        key = (batch_size, budget)
+        old_seconds = self.observed_seconds.get(key)
+        self.observed_seconds[key] = verify_s if old_seconds is None \
+            else old_seconds + self.decay * (verify_s - old_seconds)
         for _, s in self.candidates:
             if s > budget:
                 break

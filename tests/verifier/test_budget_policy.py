@@ -49,7 +49,7 @@ def test_measured_policy_spends_more_when_drafts_are_good():
     for _ in range(100):
         s = policy.budget(1)
         # Acceptance grows with the budget, saturating: path nodes at 1, 3, 7, 15, 31.
-        policy.observe(1, s, [[1, 3, 7, 15, 31]], 0.04)
+        policy.observe(1, s, [[1, 3, 7, 15, 31]], 0.04 * max(1.0, s / 16))  # as profiled
     assert policy.expected_accepted[16] == pytest.approx(4.0)
     assert policy.budget(1) == 16  # free at b = 1; 32 accepts one more but costs double
     assert policy.budget(8) == 2  # at b = 8 anything beyond 2 costs more than it gains
@@ -67,3 +67,26 @@ def test_profile_round_trip(tmp_path):
 def test_measured_policy_needs_a_candidate():
     with pytest.raises(ValueError, match="max_budget"):
         MeasuredBudget(ForwardProfile([1], [8], np.array([[0.1]])), max_budget=4)
+
+
+def test_profile_medians_are_made_non_decreasing_in_the_budget():
+    # A noisy machine: s = 4 looks cheaper than s = 2 in every round.
+    times = {1: 0.040, 2: 0.050, 4: 0.045, 8: 0.060, 16: 0.070, 32: 0.100}
+    profile = ForwardProfile.measure(lambda b, s: times[s] * b, batches=[1, 2], rounds=3)
+    assert profile.seconds[0].tolist() == pytest.approx([0.04, 0.05, 0.05, 0.06, 0.07, 0.1])
+    assert profile.seconds[1].tolist() == pytest.approx([0.08, 0.1, 0.1, 0.12, 0.14, 0.2])
+
+
+def test_observed_step_times_replace_the_profile():
+    # The profile claims s = 16 costs 5x plain decoding at b = 1; the engine sees otherwise.
+    batches, budgets = [1, 2], [1, 2, 4, 8, 16, 32]
+    seconds = np.array([[0.04, 0.04, 0.04, 0.04, 0.2, 0.4]] * 2)
+    policy = MeasuredBudget(ForwardProfile(batches, budgets, seconds), max_budget=16)
+    path = [[1, 3, 7, 12]]  # 4 accepted at s = 16, 3 at s = 8
+    policy.observe(1, 16, path, 0.2)
+    assert policy.budget(1) == 8  # the profile's cost of 16 rules it out
+    for _ in range(200):
+        policy.observe(1, 16, path, 0.045)  # what the engine actually measures
+    assert policy.observed_seconds[(1, 16)] == pytest.approx(0.045, rel=1e-3)
+    assert policy.budget(1) == 16
+    assert policy.budget(2) == 8  # nothing observed at b = 2: the profile still decides
