@@ -68,6 +68,9 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # running[i] owns KV slot i
         self.stats = EngineStats()
+        # The latest step, for per-step statistics of streaming servers.
+        self.last_budget, self.last_draft_s, self.last_verify_s = 1, 0.0, 0.0
+        self._last_draft_s = 0.0
         # Default request ids are unique per engine: engines that share a drafter service must
         # not collide on its per-sequence state.
         self._id_prefix = secrets.token_hex(4)
@@ -77,7 +80,7 @@ class Engine:
 
     def add_request(self, prompt_ids: Seq[int], max_tokens: int,
                     sampling: SamplingParams | None = None, stop: Seq[str] = (),
-                    request_id: str | None = None) -> Sequence:
+                    request_id: str | None = None, speculate: bool = True) -> Sequence:
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         if max_tokens < 1:
@@ -87,19 +90,39 @@ class Engine:
                              f"({self.runner.max_len - 1})")
         if stop and self.decode is None:
             raise ValueError("stop strings need an engine built with a decode function")
+        vocab_size = self.runner.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
         sampling = sampling or SamplingParams()
         generator = None
         if sampling.temperature > 0:
             generator = torch.Generator()
             generator.manual_seed(sampling.seed if sampling.seed is not None
                                   else torch.seed())
-        sequence = Sequence(request_id or f"{self._id_prefix}-{next(self._ids)}", list(prompt_ids), sampling,
-                            max_tokens, tuple(stop), generator=generator)
+        sequence = Sequence(request_id or f"{self._id_prefix}-{next(self._ids)}",
+                            list(prompt_ids), sampling, max_tokens, tuple(stop),
+                            generator=generator, speculate=speculate)
         self.waiting.append(sequence)
         return sequence
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drops a waiting or running request at once (client cancelled); returns it, or None
+        when no such request is here (already finished)."""
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                seq.finish_reason = "cancelled"
+                return seq
+        for seq in self.running:
+            if seq.request_id == request_id:
+                seq.finish_reason = "cancelled"
+                self._retire()
+                return seq
+        return None
 
     def generate(self, prompts: Seq[Seq[int]], max_tokens: int,
                  sampling: SamplingParams | None = None) -> list[list[int]]:
@@ -124,8 +147,10 @@ class Engine:
         results = [self._accept(seq, tree, logits[row, : tree.num_nodes])
                    for row, (seq, tree) in enumerate(zip(self.running, trees))]
         self.runner.commit([r.accepted_nodes for r in results])
+        self.last_budget, self.last_draft_s, self.last_verify_s = budget, self._last_draft_s, verify_s
         for seq, result in zip(self.running, results):
             seq.num_steps += 1
+            seq.last_accepted = len(result.accepted_tokens)
             seq.num_accepted += len(result.accepted_tokens)
             self._emit(seq, result.accepted_tokens + [result.bonus_token])
             self.stats.num_accepted += len(result.accepted_tokens)
@@ -159,12 +184,15 @@ class Engine:
         return int(sample_tokens(probs, seq.generator)[0])
 
     def _draft(self, budget: int) -> list[DraftTree]:
+        self._last_draft_s = 0.0
         roots = [DraftTree.root_only(seq.token_ids[-1]) for seq in self.running]
+        for seq in self.running:
+            seq.last_budget = 1
         if self.proposer is None or budget <= 1:
             return roots
         # A tree must fit in the cache; near the end of the window speculate less.
-        budgets = [max(1, min(budget, self.runner.room(slot) - 1))
-                   for slot in range(len(self.running))]
+        budgets = [max(1, min(budget if seq.speculate else 1, self.runner.room(slot) - 1))
+                   for slot, seq in enumerate(self.running)]
         start = time.perf_counter()
         try:
             try:
@@ -182,9 +210,11 @@ class Engine:
                 seq.num_drafter_tokens = 0  # its state is unknown now: restart next time
             return roots
         finally:
-            self.stats.draft_s += time.perf_counter() - start
-        for seq in self.running:
+            self._last_draft_s = time.perf_counter() - start
+            self.stats.draft_s += self._last_draft_s
+        for seq, seq_budget in zip(self.running, budgets):
             seq.num_drafter_tokens = len(seq.prompt_ids) + len(seq.output_ids)
+            seq.last_budget = seq_budget
         return trees
 
     def _draft_requests(self, budgets: list[int]) -> list[DraftRequest]:

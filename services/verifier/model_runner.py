@@ -28,6 +28,7 @@ class ModelRunner:
             dtype=self.dtype,
         )
         self.max_len = max_len
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]  # width of the logits
 
     @torch.inference_mode()
     def prefill(self, slot: int, token_ids: Sequence[int]) -> torch.Tensor:

@@ -190,8 +190,11 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("need 0 <= --start < --stop")
         from sssd.common.model_loader import load_causal_lm
 
-        added = generate(args.dir, load_causal_lm(None, args.dtype), args.start, args.stop,
-                         args.max_tokens, args.batch_size, args.max_prompt_tokens)
+        try:
+            added = generate(args.dir, load_causal_lm(None, args.dtype), args.start, args.stop,
+                             args.max_tokens, args.batch_size, args.max_prompt_tokens)
+        except KeyboardInterrupt:  # every finished answer is already on disk
+            raise SystemExit("\nstopped; run the same command again to resume") from None
         print(json.dumps({"added": added, "file": str(args.dir / "outputs.jsonl")}))
     else:
         path = build(args.dir, args.conversations, args.with_sharegpt)

@@ -24,6 +24,9 @@ class Sequence:
     num_steps: int = 0  # verification steps
     num_accepted: int = 0  # draft tokens accepted over all steps
     stop_text_len: int | None = None  # output text is cut here when a stop string matched
+    speculate: bool = True  # False: this request decodes without drafts (budget 1)
+    last_accepted: int = 0  # draft tokens accepted in the latest verification step
+    last_budget: int = 1  # this sequence's speculation budget in that step
 
     @property
     def token_ids(self) -> list[int]:
