@@ -21,6 +21,7 @@ from sssd.common.draft_tree import DraftTree
 from sssd.drafter.drafter import DraftRequest, SequenceNotFound
 from sssd.verifier.acceptance import accept_greedy, accept_sampling
 from sssd.verifier.budget_policy import BudgetPolicy
+from sssd.verifier.handoff import PrefilledPrompt
 from sssd.verifier.model_runner import ModelRunner
 from sssd.verifier.sampling import SamplingParams, sample_tokens, target_probs
 from sssd.verifier.sequence import Sequence
@@ -38,6 +39,7 @@ class EngineStats:
     verify_s: float = 0.0  # time in verification forwards
     prefill_s: float = 0.0
     num_draft_failures: int = 0  # steps decoded without speculation because the drafter failed
+    num_draft_errors: int = 0  # errors from the drafter, NOT_FOUND (answered by a resend) included
     budget_counts: dict[int, int] = field(default_factory=dict)  # steps per chosen budget
 
     @property
@@ -80,7 +82,10 @@ class Engine:
 
     def add_request(self, prompt_ids: Seq[int], max_tokens: int,
                     sampling: SamplingParams | None = None, stop: Seq[str] = (),
-                    request_id: str | None = None, speculate: bool = True) -> Sequence:
+                    request_id: str | None = None, speculate: bool = True,
+                    prefilled: PrefilledPrompt | None = None) -> Sequence:
+        """Queues a request. `prefilled`: the prompt's KV cache made by a prefill worker, taken
+        over instead of running the prefill here."""
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         if max_tokens < 1:
@@ -88,6 +93,11 @@ class Engine:
         if len(prompt_ids) + 1 >= self.runner.max_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds the context window "
                              f"({self.runner.max_len - 1})")
+        if prefilled is not None:
+            if prefilled.num_tokens != len(prompt_ids):
+                raise ValueError(f"the prefilled KV holds {prefilled.num_tokens} tokens, the "
+                                 f"prompt has {len(prompt_ids)}")
+            self.runner.check_prefilled(prefilled)
         if stop and self.decode is None:
             raise ValueError("stop strings need an engine built with a decode function")
         vocab_size = self.runner.vocab_size
@@ -102,7 +112,7 @@ class Engine:
                                   else torch.seed())
         sequence = Sequence(request_id or f"{self._id_prefix}-{next(self._ids)}",
                             list(prompt_ids), sampling, max_tokens, tuple(stop),
-                            generator=generator, speculate=speculate)
+                            generator=generator, speculate=speculate, prefilled=prefilled)
         self.waiting.append(sequence)
         return sequence
 
@@ -169,7 +179,11 @@ class Engine:
             seq = self.waiting.popleft()
             slot = len(self.running)
             start = time.perf_counter()
-            logits = self.runner.prefill(slot, seq.prompt_ids)  # [vocab_size]
+            if seq.prefilled is not None:
+                logits = self.runner.load_prefilled(slot, seq.prefilled)  # [vocab_size]
+                seq.prefilled = None  # the cache slot holds it now; free the transfer buffer
+            else:
+                logits = self.runner.prefill(slot, seq.prompt_ids)  # [vocab_size]
             self.stats.prefill_s += time.perf_counter() - start
             first = self._sample_one(seq, logits)
             self.running.append(seq)
@@ -199,12 +213,14 @@ class Engine:
                 trees = self.proposer.propose(self._draft_requests(budgets))
             except SequenceNotFound as missing:
                 # The drafter lost their state (restart, eviction): re-send full contexts.
+                self.stats.num_draft_errors += 1
                 for seq in self.running:
                     if seq.request_id in missing.seq_ids:
                         seq.num_drafter_tokens = 0
                 trees = self.proposer.propose(self._draft_requests(budgets))
         except Exception as exc:  # noqa: BLE001 - any drafter failure: decode without it
             self.stats.num_draft_failures += 1
+            self.stats.num_draft_errors += 1
             logger.warning("drafter failed (%s); this step decodes without speculation", exc)
             for seq in self.running:
                 seq.num_drafter_tokens = 0  # its state is unknown now: restart next time

@@ -97,6 +97,31 @@ class SlotKVCache:
     def set_length(self, slot: int, length: int) -> None:
         self.lengths[slot] = length
 
+    def export(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the slot's committed keys and values: two [num_layers, num_kv_heads,
+        length, head_dim] tensors (prefill/decode handoff)."""
+        length = self.lengths[slot]
+        keys = torch.stack([buffer[slot, :, :length] for buffer in self.keys])
+        values = torch.stack([buffer[slot, :, :length] for buffer in self.values])
+        return keys, values
+
+    def load(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Writes keys and values made by `export` (of another cache) into `slot`."""
+        expected = (len(self.keys), *self.keys[0].shape[1:2], keys.shape[2],
+                    self.keys[0].shape[3])
+        if tuple(keys.shape) != expected or tuple(values.shape) != expected:
+            raise ValueError(f"KV of shape {tuple(keys.shape)} does not fit this cache "
+                             f"(expected {expected})")
+        if keys.dtype != self.keys[0].dtype:
+            raise ValueError(f"KV of dtype {keys.dtype}, this cache holds {self.keys[0].dtype}")
+        length = keys.shape[2]
+        if length >= self.max_len:
+            raise ValueError(f"KV of {length} positions does not fit {self.max_len}")
+        for layer in range(len(self.keys)):
+            self.keys[layer][slot, :, :length] = keys[layer]
+            self.values[layer][slot, :, :length] = values[layer]
+        self.lengths[slot] = length
+
     def move(self, source_slot: int, target_slot: int) -> None:
         """Copies a sequence's cache to another slot (compaction after a sequence finishes)."""
         length = self.lengths[source_slot]

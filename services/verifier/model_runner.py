@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 
 from sssd.common.draft_tree import DraftTree
+from sssd.verifier.handoff import PrefilledPrompt
 from sssd.verifier.kv_cache import SlotKVCache
 from sssd.verifier.tree_batch import build_tree_batch, chain_tree
 
@@ -40,6 +42,35 @@ class ModelRunner:
         logits = self._forward([chain_tree(token_ids)], first_slot=slot, logits_to_keep=1)
         self.cache.set_length(slot, len(token_ids))
         return logits[0, -1].float()
+
+    @torch.inference_mode()
+    def prefill_for_handoff(self, token_ids: Sequence[int], slot: int = 0) -> PrefilledPrompt:
+        """Prefills in `slot` and returns a copy of the prompt's KV cache and its next-token
+        logits, for a decode worker elsewhere (`load_prefilled`)."""
+        start = time.perf_counter()
+        logits = self.prefill(slot, token_ids)
+        keys, values = self.cache.export(slot)
+        return PrefilledPrompt.from_tensors(keys, values, logits, time.perf_counter() - start)
+
+    def check_prefilled(self, prefilled: PrefilledPrompt) -> None:
+        """Raises ValueError unless the prefilled KV was made by a model shaped like this one."""
+        cache = self.cache.keys[0]  # [max_seqs, num_kv_heads, max_len, head_dim]
+        layers, heads, length, head_dim = prefilled.keys.shape
+        expected = (len(self.cache.keys), cache.shape[1], cache.shape[3], self.vocab_size,
+                    str(self.dtype).removeprefix("torch."))
+        got = (layers, heads, head_dim, prefilled.logits.shape[0], prefilled.dtype)
+        if got != expected or prefilled.values.shape != prefilled.keys.shape:
+            raise ValueError(f"prefilled KV (layers, kv heads, head dim, vocab, dtype) = {got} "
+                             f"does not match this model's {expected}")
+        if length + 1 >= self.max_len:
+            raise ValueError(f"prefilled prompt of {length} tokens does not fit the cache")
+
+    def load_prefilled(self, slot: int, prefilled: PrefilledPrompt) -> torch.Tensor:
+        """Takes over a prompt prefilled elsewhere into `slot`; returns its logits [vocab_size]."""
+        self.check_prefilled(prefilled)
+        keys, values, logits = prefilled.tensors()
+        self.cache.load(slot, keys, values)
+        return logits
 
     @torch.inference_mode()
     def verify(self, trees: Sequence[DraftTree]) -> torch.Tensor:

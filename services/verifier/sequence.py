@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sssd.verifier.handoff import PrefilledPrompt
 from sssd.verifier.sampling import SamplingParams
 
 
@@ -27,6 +28,8 @@ class Sequence:
     speculate: bool = True  # False: this request decodes without drafts (budget 1)
     last_accepted: int = 0  # draft tokens accepted in the latest verification step
     last_budget: int = 1  # this sequence's speculation budget in that step
+    # The prompt's KV cache from a prefill worker (disaggregated serving); dropped on admission.
+    prefilled: PrefilledPrompt | None = None
 
     @property
     def token_ids(self) -> list[int]:
