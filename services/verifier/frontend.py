@@ -1,7 +1,9 @@
-"""The public gRPC API (proto/sssd/v1/generate.proto) in front of one engine loop.
+"""The public gRPC API (proto/sssd/v1/generate.proto) in front of an engine loop or Ray workers.
 
-Single-process mode: the frontend, the engine loop and (optionally) an in-process drafter share
-one process; a remote drafter service is used when `drafter_target` is set. The servicer
+Single-process mode (`FrontendConfig.ray` is None): the frontend, the engine loop and
+(optionally) an in-process drafter share one process; a remote drafter service is used when
+`drafter_target` is set. Ray mode: prefill and decode workers are Ray actors (ray_serving.py)
+behind a `RayBackend`, which has the engine loop's interface. The servicer
 validates each request into engine terms (every bad field is INVALID_ARGUMENT naming the field
 and its allowed range), submits it to the loop and streams the loop's events back. The RPC's
 termination callback cancels the request, so a client cancel or an expired deadline frees the
@@ -26,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from sssd.verifier.config import EngineConfig
 from sssd.verifier.loop import Draining, EngineLoop, Overloaded, StreamEvent
+from sssd.verifier.ray_serving import RayBackend, RayConfig
 from sssd.verifier.sampling import SamplingParams
 from sssd.v1 import generate_pb2, generate_pb2_grpc
 
@@ -46,6 +49,7 @@ class FrontendConfig:
     default_max_tokens: int = 256
     grace_s: float = 10.0  # SIGTERM: running requests get this long to finish
     max_workers: int = 80  # gRPC handler threads (> max_requests, so refusals are answered)
+    ray: RayConfig | None = None  # None: single process; else prefill/decode Ray workers
 
     def __post_init__(self) -> None:
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
@@ -61,12 +65,13 @@ class BadRequest(ValueError):
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def __init__(self, config: FrontendConfig) -> None:
         self.config = config
-        self.loop: EngineLoop | None = None  # set once the model is loaded
+        self.loop: EngineLoop | RayBackend | None = None  # set once the model is loaded
         self.tokenizer = None
         self.max_prompt_tokens = 0
         self.vocab_size = 0
 
-    def attach(self, loop: EngineLoop, tokenizer, max_len: int, vocab_size: int) -> None:
+    def attach(self, loop: EngineLoop | RayBackend, tokenizer, max_len: int,
+               vocab_size: int) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.max_prompt_tokens = max_len - 2  # room for at least one new token and its tree root
         self.loop = loop
@@ -186,7 +191,7 @@ class Frontend:
     port: int
     servicer: GenerationServicer
     health: health.HealthServicer
-    loop: EngineLoop | None = None
+    loop: EngineLoop | RayBackend | None = None
 
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving \
@@ -195,11 +200,22 @@ class Frontend:
             self.health.set(service, status)
 
     def load(self, loaded=None) -> None:
-        """Loads the model, builds the engine and its loop, then reports SERVING."""
+        """Loads the model, builds the engine and its loop (or starts the Ray workers), then
+        reports SERVING."""
         from sssd.common.model_loader import load_causal_lm
         from sssd.verifier.factory import build_engine
 
-        engine_config = self.servicer.config.engine
+        config = self.servicer.config
+        engine_config = config.engine
+        if config.ray is not None:
+            from sssd.common.tokenizer import load_tokenizer
+
+            backend = RayBackend(engine_config, config.ray, config.max_requests).start()
+            self.loop = backend
+            self.servicer.attach(backend, load_tokenizer(engine_config.model),
+                                 engine_config.max_len, backend.vocab_size)
+            self.set_serving(True)
+            return
         loaded = loaded or load_causal_lm(engine_config.model, engine_config.dtype)
         engine = build_engine(engine_config, loaded)
 
@@ -223,7 +239,9 @@ class Frontend:
             while self.loop.num_requests and time.monotonic() < deadline:
                 time.sleep(0.05)
         self.server.stop(1.0).wait()  # whatever is left is cancelled
-        if self.loop is not None:
+        if isinstance(self.loop, RayBackend):
+            self.loop.stop()
+        elif self.loop is not None:
             self.loop.stop()
             proposer = self.loop.engine.proposer
             if proposer is not None and hasattr(proposer, "close"):

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 
 from sssd.verifier.engine import Engine
+from sssd.verifier.handoff import PrefilledPrompt
 from sssd.verifier.sampling import SamplingParams
 from sssd.verifier.sequence import Sequence
 
@@ -72,14 +73,29 @@ class RequestHandle:
     done: bool = False
 
 
+class LoopObserver:
+    """Hooks for metrics; called on the loop thread, so they must be quick. No-ops here."""
+
+    def on_step(self, engine: Engine, step: StepInfo, step_s: float, num_rows: int,
+                num_tokens: int, num_accepted: int) -> None:
+        """After a verification step over `num_rows` sequences that emitted `num_tokens`."""
+
+    def on_finish(self, totals: Totals | None, error: str | None) -> None:
+        """A request ended: with its totals, or with an error."""
+
+    def on_queue(self, num_waiting: int, num_running: int) -> None:
+        """The number of queued (not yet admitted) and running requests, once per loop pass."""
+
+
 class EngineLoop:
     def __init__(self, engine: Engine, decode: Callable[[list[int]], str],
-                 max_requests: int = 64) -> None:
+                 max_requests: int = 64, observer: LoopObserver | None = None) -> None:
         """`decode(ids)` gives the answer text of token ids (special tokens skipped);
         `max_requests` bounds running + queued requests."""
         self.engine = engine
         self.decode = decode
         self.max_requests = max_requests
+        self.observer = observer or LoopObserver()
         self._handles: dict[str, RequestHandle] = {}
         self._sequences: dict[str, Sequence] = {}
         self._inbox: list[tuple[RequestHandle, dict]] = []
@@ -97,18 +113,23 @@ class EngineLoop:
         return self
 
     def submit(self, prompt_ids: Seq[int], max_tokens: int, sampling: SamplingParams,
-               stop: Seq[str] = (), speculate: bool = True) -> RequestHandle:
+               stop: Seq[str] = (), speculate: bool = True, request_id: str | None = None,
+               prefilled: PrefilledPrompt | None = None) -> RequestHandle:
+        """Queues a request; `prefilled` is its prompt's KV cache from a prefill worker."""
         with self._cond:
             if self._draining or self._stopped:
                 raise Draining("the server is shutting down")
             if len(self._handles) >= self.max_requests:
                 raise Overloaded(f"the server holds its maximum of {self.max_requests} "
                                  "concurrent requests")
-            handle = RequestHandle(f"g{next(self._ids)}", len(prompt_ids), time.perf_counter())
+            request_id = request_id or f"g{next(self._ids)}"
+            if request_id in self._handles:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            handle = RequestHandle(request_id, len(prompt_ids), time.perf_counter())
             self._handles[handle.request_id] = handle
             self._inbox.append((handle, dict(prompt_ids=list(prompt_ids), max_tokens=max_tokens,
                                              sampling=sampling, stop=tuple(stop),
-                                             speculate=speculate)))
+                                             speculate=speculate, prefilled=prefilled)))
             self._cond.notify()
         return handle
 
@@ -120,6 +141,11 @@ class EngineLoop:
                 return
             self._cancels.append(request_id)
             self._cond.notify()
+
+    def has_request(self, request_id: str) -> bool:
+        """True while the request is queued or running (not finished, not cancelled)."""
+        with self._cond:
+            return request_id in self._handles
 
     @property
     def num_requests(self) -> int:
@@ -160,8 +186,13 @@ class EngineLoop:
                 seq = self.engine.abort(request_id)
                 if seq is not None:
                     self._finish(self._handles[request_id], seq)
+            self.observer.on_queue(len(self.engine.waiting), len(self.engine.running))
             if not self.engine.has_work():
                 continue
+            stats = self.engine.stats
+            tokens_before, accepted_before = stats.num_tokens, stats.num_accepted
+            rows_before, steps_before = stats.num_row_steps, stats.num_steps
+            start = time.perf_counter()
             try:
                 finished = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - a bug must not hang every stream
@@ -172,6 +203,11 @@ class EngineLoop:
                 continue
             step = StepInfo(0, self.engine.last_budget, 1e3 * self.engine.last_draft_s,
                             1e3 * self.engine.last_verify_s)
+            if stats.num_steps > steps_before:  # a verification step ran (not only admissions)
+                self.observer.on_step(self.engine, step, time.perf_counter() - start,
+                                      stats.num_row_steps - rows_before,
+                                      stats.num_tokens - tokens_before,
+                                      stats.num_accepted - accepted_before)
             for seq in self.engine.running:
                 self._push(self._handles[seq.request_id], seq, step)
             for seq in finished:
@@ -227,15 +263,18 @@ class EngineLoop:
             self._handles.pop(handle.request_id, None)
         if error is not None or seq is None:
             handle.events.put(StreamEvent([], "", error=error or "failed"))
+            self.observer.on_finish(None, error or "failed")
             return
         now = time.perf_counter()
         first = handle.first_token_at or now
         completion = len(seq.output_ids)
         decode_s = now - first
-        handle.events.put(StreamEvent([], "", totals=Totals(
+        totals = Totals(
             prompt_tokens=handle.num_prompt_tokens, completion_tokens=completion,
             time_to_first_token_s=first - handle.arrival, total_s=now - handle.arrival,
             tokens_per_second=(completion - 1) / decode_s if completion > 1 and decode_s > 0
             else 0.0,
             mean_accepted_length=(completion - 1) / seq.num_steps if seq.num_steps else 0.0,
-            finish_reason=seq.finish_reason or "stop")))
+            finish_reason=seq.finish_reason or "stop")
+        handle.events.put(StreamEvent([], "", totals=totals))
+        self.observer.on_finish(totals, None)

@@ -1,0 +1,119 @@
+"""Serving metrics through `ray.util.metrics` (DESIGN.md section 9).
+
+Ray's per-node metrics agent exports them on its Prometheus endpoint (the `metrics_port` of the
+local cluster) and the Ray dashboard charts them; every name starts with `sssd_` (Prometheus
+shows it as `ray_sssd_...`). They are recorded inside the workers (Ray actors), tagged with the
+worker's name. Outside a Ray worker `ray.util.metrics` does nothing, so the single-process mode
+uses the plain `LoopObserver` instead.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from sssd.verifier.engine import Engine
+from sssd.verifier.loop import LoopObserver, StepInfo, Totals
+
+# Milliseconds: CPU verification steps take 20-200 ms, drafts 0.05-5 ms, prefills up to seconds.
+LATENCY_BOUNDARIES_MS = [0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000]
+WINDOW_STEPS = 32  # steps averaged into the tokens-per-second and accepted-length gauges
+
+
+class DecodeMetrics(LoopObserver):
+    """The decode worker's metrics: requests, tokens, speed, speculation, queue, drafter."""
+
+    def __init__(self, worker: str) -> None:
+        from ray.util import metrics
+
+        tags = ("worker",)
+        self.requests = metrics.Counter(
+            "sssd_requests", "Requests finished, by finish reason (stop, length, cancelled, error)",
+            tag_keys=("worker", "finish_reason"))
+        self.tokens = metrics.Counter("sssd_tokens_generated", "Output tokens generated",
+                                      tag_keys=tags)
+        self.tokens_per_second = metrics.Gauge(
+            "sssd_tokens_per_second",
+            f"Output tokens per second of the decode worker over its last {WINDOW_STEPS} steps",
+            tag_keys=tags)
+        self.accepted = metrics.Gauge(
+            "sssd_mean_accepted_tokens",
+            f"Tokens per sequence per verification step (accepted + bonus), last {WINDOW_STEPS} "
+            "steps", tag_keys=tags)
+        self.budget = metrics.Gauge("sssd_speculation_budget",
+                                    "Speculation budget (draft tree nodes) of the latest step",
+                                    tag_keys=tags)
+        self.draft_ms = metrics.Histogram("sssd_draft_latency_ms", "Drafter call per step, ms",
+                                          boundaries=LATENCY_BOUNDARIES_MS, tag_keys=tags)
+        self.verify_ms = metrics.Histogram("sssd_verify_step_latency_ms",
+                                           "Verification forward pass per step, ms",
+                                           boundaries=LATENCY_BOUNDARIES_MS, tag_keys=tags)
+        self.queue_depth = metrics.Gauge("sssd_queue_depth",
+                                         "Requests waiting for a KV-cache slot", tag_keys=tags)
+        self.running = metrics.Gauge("sssd_running_sequences", "Sequences in the running batch",
+                                     tag_keys=tags)
+        self.drafter_errors = metrics.Counter(
+            "sssd_drafter_errors", "Errors from the drafter (NOT_FOUND resends included)",
+            tag_keys=tags)
+        self.drafter_fallbacks = metrics.Counter(
+            "sssd_drafter_fallbacks", "Steps decoded without speculation because the drafter "
+            "failed", tag_keys=tags)
+        for metric in (self.requests, self.tokens, self.tokens_per_second, self.accepted,
+                       self.budget, self.draft_ms, self.verify_ms, self.queue_depth, self.running,
+                       self.drafter_errors, self.drafter_fallbacks):
+            metric.set_default_tags({"worker": worker})
+        self._window: deque[tuple[float, int, int]] = deque(maxlen=WINDOW_STEPS)
+        self._errors = self._fallbacks = 0
+
+    def on_step(self, engine: Engine, step: StepInfo, step_s: float, num_rows: int,
+                num_tokens: int, num_accepted: int) -> None:
+        self.tokens.inc(num_tokens)
+        self._window.append((step_s, num_rows, num_tokens))
+        seconds = sum(s for s, _, _ in self._window)
+        rows = sum(r for _, r, _ in self._window)
+        tokens = sum(t for _, _, t in self._window)
+        if seconds > 0:
+            self.tokens_per_second.set(tokens / seconds)
+        if rows:
+            self.accepted.set(tokens / rows)
+        self.budget.set(step.budget)
+        if step.budget > 1:
+            self.draft_ms.observe(step.draft_ms)
+        self.verify_ms.observe(step.verify_ms)
+        stats = engine.stats
+        if stats.num_draft_errors > self._errors:
+            self.drafter_errors.inc(stats.num_draft_errors - self._errors)
+            self._errors = stats.num_draft_errors
+        if stats.num_draft_failures > self._fallbacks:
+            self.drafter_fallbacks.inc(stats.num_draft_failures - self._fallbacks)
+            self._fallbacks = stats.num_draft_failures
+
+    def on_finish(self, totals: Totals | None, error: str | None) -> None:
+        reason = totals.finish_reason if totals is not None else "error"
+        self.requests.inc(1, tags={"finish_reason": reason})
+        if totals is not None and totals.completion_tokens:
+            self.tokens.inc(1)  # the first token, sampled from the prefill's logits
+
+    def on_queue(self, num_waiting: int, num_running: int) -> None:
+        self.queue_depth.set(num_waiting)
+        self.running.set(num_running)
+
+
+class PrefillMetrics:
+    def __init__(self, worker: str) -> None:
+        from ray.util import metrics
+
+        self.prefills = metrics.Counter("sssd_prefills", "Prompts prefilled",
+                                        tag_keys=("worker",))
+        self.prompt_tokens = metrics.Counter("sssd_prompt_tokens", "Prompt tokens prefilled",
+                                             tag_keys=("worker",))
+        self.prefill_ms = metrics.Histogram("sssd_prefill_latency_ms",
+                                            "Prefill forward pass, ms",
+                                            boundaries=LATENCY_BOUNDARIES_MS,
+                                            tag_keys=("worker",))
+        for metric in (self.prefills, self.prompt_tokens, self.prefill_ms):
+            metric.set_default_tags({"worker": worker})
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        self.prefills.inc(1)
+        self.prompt_tokens.inc(num_tokens)
+        self.prefill_ms.observe(1e3 * seconds)
