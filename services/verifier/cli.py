@@ -1,7 +1,10 @@
 """`sssd`: the command line of sssd-serve.
 
-    sssd serve                      the generation API on 127.0.0.1:50061 (single process: the
-                                    drafter service, the engine and the gRPC frontend)
+    sssd up                         the whole local stack: drafter service, Ray cluster with
+                                    prefill and decode workers, the gRPC API; answers a check
+                                    prompt, then serves until Ctrl-C (see `sssd up --help`)
+    sssd serve                      the generation API on 127.0.0.1:50061 (single process by
+                                    default; --ray: prefill/decode workers on Ray)
     sssd generate "prompt"          streams an answer from a running server
     sssd chat                       multi-turn chat with a running server
 
@@ -86,11 +89,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_batch_size=args.max_batch_size, max_len=args.max_len,
                           budget_policy=args.budget_policy, drafter_target=args.drafter,
                           datastore_dir=str(args.datastore) if args.datastore else None)
+    ray = None
+    if args.ray:
+        from sssd.verifier.ray_serving import RayConfig
+
+        ray = RayConfig(num_prefill_workers=args.prefill_workers,
+                        num_decode_workers=args.decode_workers, address=args.ray_address,
+                        auth=args.ray_auth, host=args.host, token_file="var/ray/auth_token")
     config = FrontendConfig(engine=engine, host=args.host, port=args.port,
                             max_requests=args.max_requests, max_workers=args.max_requests + 16,
-                            grace_s=args.grace_s)
+                            grace_s=args.grace_s, ray=ray)
     serve(config)
     return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from sssd.verifier.stack import run
+
+    return run(args)
+
+
+def stack_doc() -> str:
+    from sssd.verifier import stack
+
+    return (stack.__doc__ or "").split("\n\n")[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,10 +139,23 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--budget-policy", default="rule", choices=("rule", "measured"))
     srv.add_argument("--max-requests", type=int, default=64)
     srv.add_argument("--grace-s", type=float, default=10.0)
+    srv.add_argument("--ray", action="store_true",
+                     help="prefill and decode workers as Ray actors (else one process)")
+    srv.add_argument("--prefill-workers", type=int, default=1)
+    srv.add_argument("--decode-workers", type=int, default=1)
+    srv.add_argument("--ray-address", default=None,
+                     help="join this Ray cluster (auto, host:port) instead of starting one")
+    srv.add_argument("--ray-auth", default="token", choices=("token", "disabled"),
+                     help="Ray token authentication (default on; see `sssd up --help`)")
+    from sssd.verifier.stack import add_arguments
+
+    add_arguments(commands.add_parser("up", help="start the whole stack locally and serve",
+                                      description=stack_doc()))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.command == "serve" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handler = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}[args.command]
+    handler = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
+               "up": cmd_up}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:

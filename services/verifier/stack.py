@@ -1,0 +1,188 @@
+"""`sssd up`: the whole stack on this machine, on embedded defaults, in one command.
+
+    1. a datastore: the largest `var/self-outputs/datastore-N` (built with sssd-self-outputs),
+       else ShareGPT conversations tokenized into var/demo-datastore on first run (about 1 min);
+    2. the drafter service (`sssd-drafter`, its own process) on 127.0.0.1;
+    3. a local Ray cluster bound to 127.0.0.1 with its dashboard, a prefill worker and a decode
+       worker (Ray actors, each with its own copy of the model);
+    4. the gRPC Generate API (health, reflection) on 127.0.0.1:50061.
+
+It prints where to connect, where the Ray dashboard and the Prometheus endpoint are, answers one
+prompt through the API as a check, and serves until Ctrl-C or SIGTERM (then drains). `--once`
+stops after that answer.
+
+Ray authentication is on (`--ray-auth token`, the default): Ray's own ports listen on every
+interface even on a loopback-only stack, so the cluster is closed with a token, RAY_AUTH_TOKEN
+if set, else a fresh one written to var/ray/auth_token (mode 0600); the dashboard asks for it.
+`--ray-auth disabled` opts out on a machine whose network is closed otherwise (refused unless
+`--host` is a loopback address).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEMO_PROMPT = "Explain in three sentences why the sky is blue."
+
+
+def start_drafter(datastore: Path, vocab_size: int, fingerprint: str, host: str,
+                  port: int) -> subprocess.Popen:
+    """The drafter service as a child process; returns once its health check says SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    command = [str(Path(sys.executable).with_name("sssd-drafter")), "--datastore-dir",
+               str(datastore), "--vocab-size", str(vocab_size), "--tokenizer-fingerprint",
+               fingerprint, "--host", host, "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if process.poll() is not None:
+                raise SystemExit(f"sssd up: the drafter service exited with {process.returncode}")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return process
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                process.terminate()
+                raise SystemExit("sssd up: the drafter service did not become healthy in 120 s")
+            time.sleep(0.2)
+
+
+def demo(target: str, prompt: str, max_tokens: int) -> None:
+    from sssd.verifier.client import GenerationClient
+
+    print(f"\n>>> {prompt}\n", flush=True)
+    totals = None
+    with GenerationClient(target) as client:
+        for chunk in client.stream(prompt, max_tokens=max_tokens):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            totals = chunk.totals or totals
+    if totals is not None:
+        print(f"\n\n[{totals.completion_tokens} tokens ({totals.finish_reason}); first token "
+              f"after {totals.time_to_first_token_s:.2f} s; {totals.tokens_per_second:.1f} "
+              f"tokens/s; {totals.mean_accepted_length:.2f} tokens per verification step]",
+              flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sssd up", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address of every service")
+    parser.add_argument("--port", type=int, default=50061, help="the Generate API's port")
+    parser.add_argument("--drafter-port", type=int, default=50051)
+    parser.add_argument("--dashboard-port", type=int, default=8265, help="0: no dashboard")
+    parser.add_argument("--metrics-port", type=int, default=8080,
+                        help="the Prometheus endpoint of the Ray node")
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default model)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--datastore", type=Path, default=None, help="datastore directory")
+    parser.add_argument("--records", type=int, default=12_000,
+                        help="ShareGPT records for the first-run datastore (default 12000)")
+    parser.add_argument("--prefill-workers", type=int, default=1)
+    parser.add_argument("--decode-workers", type=int, default=1)
+    parser.add_argument("--max-batch-size", type=int, default=8, help="per decode worker")
+    parser.add_argument("--max-len", type=int, default=2048)
+    parser.add_argument("--budget-policy", default="rule", choices=("rule", "measured"))
+    parser.add_argument("--max-requests", type=int, default=64)
+    parser.add_argument("--ray-auth", default="token", choices=("token", "disabled"),
+                        help="Ray token authentication (default on)")
+    parser.add_argument("--grace-s", type=float, default=10.0)
+    parser.add_argument("--prompt", default=DEMO_PROMPT, help="the check prompt")
+    parser.add_argument("--max-tokens", type=int, default=96, help="of the check prompt")
+    parser.add_argument("--once", action="store_true",
+                        help="stop after answering the check prompt")
+
+
+def run(args: argparse.Namespace) -> int:
+    from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
+    from sssd.verifier.config import EngineConfig
+    from sssd.verifier.frontend import FrontendConfig, start_frontend
+    from sssd.verifier.generate_cli import pick_datastore
+    from sssd.verifier.ray_serving import RayConfig
+
+    try:
+        ray_config = RayConfig(num_prefill_workers=args.prefill_workers,
+                               num_decode_workers=args.decode_workers, auth=args.ray_auth,
+                               host=args.host, dashboard_port=args.dashboard_port,
+                               metrics_port=args.metrics_port,
+                               token_file="var/ray/auth_token")
+        engine = EngineConfig(model=args.model, dtype=args.dtype, mode="sssd",
+                              max_batch_size=args.max_batch_size, max_len=args.max_len,
+                              budget_policy=args.budget_policy,
+                              drafter_target=f"{args.host}:{args.drafter_port}")
+        config = FrontendConfig(engine=engine, host=args.host, port=args.port,
+                                max_requests=args.max_requests,
+                                max_workers=args.max_requests + 16, grace_s=args.grace_s,
+                                ray=ray_config)
+    except ValueError as exc:
+        print(f"sssd up: error: {exc}", file=sys.stderr)
+        return 2
+    tokenizer = load_tokenizer(args.model)
+    datastore = pick_datastore(args.datastore, tokenizer, args.records)
+    print(f"[1/4] datastore {datastore}", flush=True)
+    drafter = start_drafter(datastore, vocab_size(tokenizer), tokenizer_fingerprint(tokenizer),
+                            args.host, args.drafter_port)
+    print(f"[2/4] drafter service on {args.host}:{args.drafter_port} (pid {drafter.pid})",
+          flush=True)
+    stopping = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stopping.set())
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    frontend = None
+    try:
+        frontend = start_frontend(config)
+        print(f"[3/4] starting Ray ({args.prefill_workers} prefill + {args.decode_workers} "
+              f"decode workers, auth {args.ray_auth}); loading the model in each", flush=True)
+        frontend.load()
+        endpoints = frontend.loop.endpoints
+        target = f"{args.host}:{frontend.port}"
+        login = ""
+        if endpoints.get("auth") == "token":
+            login = f" (token in {endpoints['token_file']})" if endpoints.get("token_file") \
+                else " (token: $RAY_AUTH_TOKEN)"
+        print(f"[4/4] serving the Generate API on {target}\n"
+              f"      Ray dashboard:       {endpoints.get('dashboard') or 'off'}{login}\n"
+              f"      Prometheus metrics:  {endpoints.get('metrics')}\n"
+              f"      try: .venv/bin/sssd generate --target {target} \"your prompt\"",
+              flush=True)
+        demo(target, args.prompt, args.max_tokens)
+        if not args.once:
+            print("\nserving; Ctrl-C stops (running requests get "
+                  f"{args.grace_s:.0f} s to finish)", flush=True)
+            stopping.wait()
+    finally:
+        if frontend is not None:
+            frontend.stop(args.grace_s if not args.once else 0)
+        drafter.terminate()
+        try:
+            drafter.wait(10)
+        except subprocess.TimeoutExpired:
+            drafter.kill()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    sys.exit(main())
