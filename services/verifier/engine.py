@@ -207,6 +207,8 @@ class Engine:
         # A tree must fit in the cache; near the end of the window speculate less.
         budgets = [max(1, min(budget if seq.speculate else 1, self.runner.room(slot) - 1))
                    for slot, seq in enumerate(self.running)]
+        if max(budgets) <= 1:  # every sequence decodes without drafts (speculation off)
+            return roots
         start = time.perf_counter()
         try:
             try:
