@@ -23,3 +23,32 @@ def target_model_fp32():
     from sssd.common.model_loader import load_causal_lm
 
     return load_causal_lm(None, "float32")
+
+
+@pytest.fixture(scope="session")
+def wait_until():
+    """wait_until(condition, timeout=10.0): polls until condition() is true; False on timeout."""
+    import time
+
+    def wait(condition, timeout=10.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return True
+            time.sleep(0.02)
+        return False
+
+    return wait
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """free_port(): a TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+
+    def pick():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    return pick

@@ -2,7 +2,6 @@
 cancellation, deadlines, health, draining and client retries."""
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -36,15 +35,6 @@ def frontend(target_model_fp32, warm_datastore):
 def client(frontend):
     with GenerationClient(f"127.0.0.1:{frontend.port}", RetryPolicy(attempts=1)) as client:
         yield client
-
-
-def wait_until(condition, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_streamed_greedy_answer_equals_plain_decoding(client, target_model_fp32,
@@ -114,7 +104,7 @@ def test_bad_requests_are_invalid_argument(frontend, fields, field_name):
     assert frontend.loop.num_requests == 0  # nothing was admitted
 
 
-def test_cancel_frees_the_sequence_at_once(frontend, mt_bench_prompts):
+def test_cancel_frees_the_sequence_at_once(frontend, mt_bench_prompts, wait_until):
     stub = generate_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{frontend.port}"))
     call = stub.Generate(build_request(mt_bench_prompts[3], max_tokens=500))
     next(call)  # the first tokens arrived: the sequence is running
@@ -124,7 +114,7 @@ def test_cancel_frees_the_sequence_at_once(frontend, mt_bench_prompts):
                       not frontend.loop.engine.running, timeout=5)
 
 
-def test_deadline_ends_the_request(frontend, mt_bench_prompts):
+def test_deadline_ends_the_request(frontend, mt_bench_prompts, wait_until):
     stub = generate_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{frontend.port}"))
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Generate(build_request(mt_bench_prompts[4], max_tokens=500), timeout=1.0))
@@ -132,7 +122,7 @@ def test_deadline_ends_the_request(frontend, mt_bench_prompts):
     assert wait_until(lambda: frontend.loop.num_requests == 0, timeout=5)
 
 
-def test_concurrency_limit_is_resource_exhausted(frontend, mt_bench_prompts):
+def test_concurrency_limit_is_resource_exhausted(frontend, mt_bench_prompts, wait_until):
     stub = generate_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{frontend.port}"))
     calls = [stub.Generate(build_request(mt_bench_prompts[i], max_tokens=500)) for i in range(3)]
     try:
@@ -149,7 +139,7 @@ def test_concurrency_limit_is_resource_exhausted(frontend, mt_bench_prompts):
 
 
 def test_health_loading_serving_and_drain(target_model_fp32, warm_datastore, mt_bench_prompts,
-                                          greedy_references):
+                                          greedy_references, wait_until):
     frontend = start_frontend(make_config(warm_datastore, grace_s=30.0))
     target = f"127.0.0.1:{frontend.port}"
     health_stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))

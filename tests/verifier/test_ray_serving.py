@@ -7,7 +7,6 @@ cluster on 127.0.0.1 with token authentication (the default), one prefill and on
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -29,19 +28,13 @@ ray = pytest.importorskip("ray")  # installed by scripts/setup.sh (the serve ext
 MAX_TOKENS = 40
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class DrafterService:
     """The drafter gRPC service on a fixed port, so it can be stopped and started again."""
 
-    def __init__(self, loaded, datastore):
+    def __init__(self, loaded, datastore, port):
         self.config = DrafterConfig(datastore_dir=datastore, vocab_size=loaded.vocab_size,
                                     tokenizer_fingerprint=loaded.fingerprint, host="127.0.0.1",
-                                    port=free_port(), num_threads=1)
+                                    port=port, num_threads=1)
         self.server = self.drafter = None
 
     def start(self):
@@ -55,15 +48,15 @@ class DrafterService:
 
 
 @pytest.fixture(scope="module")
-def drafter_service(target_model_fp32, warm_datastore):
-    service = DrafterService(target_model_fp32, warm_datastore)
+def drafter_service(target_model_fp32, warm_datastore, free_port):
+    service = DrafterService(target_model_fp32, warm_datastore, free_port())
     service.start()
     yield service
     service.stop()
 
 
 @pytest.fixture(scope="module")
-def stack(drafter_service):
+def stack(drafter_service, free_port):
     metrics_port = free_port()
     engine = EngineConfig(dtype="float32", mode="sssd", max_batch_size=4, max_len=1024,
                           drafter_target=f"127.0.0.1:{drafter_service.config.port}",
@@ -83,15 +76,6 @@ def stack(drafter_service):
 def client(stack):
     with GenerationClient(f"127.0.0.1:{stack.port}", RetryPolicy(attempts=1)) as client:
         yield client
-
-
-def wait_until(condition, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def token_ids(chunks):
@@ -125,7 +109,7 @@ def test_prefill_decode_output_equals_single_worker(client, engine_factory, mt_b
     assert accepted > 0  # the decode worker speculated through the drafter service
 
 
-def test_concurrency_limit_is_resource_exhausted(client, stack, mt_bench_prompts):
+def test_concurrency_limit_is_resource_exhausted(client, stack, mt_bench_prompts, wait_until):
     streams = [client.stream(mt_bench_prompts[i], max_tokens=200) for i in range(3)]
     for stream in streams:
         next(stream)  # each holds a slot now
@@ -137,7 +121,8 @@ def test_concurrency_limit_is_resource_exhausted(client, stack, mt_bench_prompts
     assert wait_until(lambda: stack.loop.num_requests == 0)
 
 
-def test_cancel_frees_the_sequence_in_the_decode_worker(client, stack, mt_bench_prompts):
+def test_cancel_frees_the_sequence_in_the_decode_worker(client, stack, mt_bench_prompts,
+                                                        wait_until):
     stream = client.stream(mt_bench_prompts[1], max_tokens=400)
     next(stream)
     decode = stack.loop._decode[0].actor
@@ -147,7 +132,7 @@ def test_cancel_frees_the_sequence_in_the_decode_worker(client, stack, mt_bench_
     assert wait_until(lambda: stack.loop.num_requests == 0)
 
 
-def test_deadline_ends_the_request(stack, mt_bench_prompts):
+def test_deadline_ends_the_request(stack, mt_bench_prompts, wait_until):
     with GenerationClient(f"127.0.0.1:{stack.port}", RetryPolicy(attempts=1),
                           timeout_s=0.5) as short:
         with pytest.raises(grpc.RpcError) as error:
@@ -197,7 +182,7 @@ def scrape(url: str) -> dict[str, float]:
     return values
 
 
-def test_metrics_on_the_prometheus_endpoint(client, stack, mt_bench_prompts):
+def test_metrics_on_the_prometheus_endpoint(client, stack, mt_bench_prompts, wait_until):
     client.generate(mt_bench_prompts[0], max_tokens=16)
     url = stack.loop.endpoints["metrics"]
     values: dict[str, float] = {}
@@ -240,3 +225,17 @@ def test_auth_disabled_only_on_loopback():
     with pytest.raises(ValueError, match="auth must be one of"):
         RayConfig(auth="none")
     assert RayConfig(auth="disabled", host="127.0.0.1").auth == "disabled"
+
+
+def test_a_dead_decode_worker_fails_its_request_instead_of_hanging(client, stack,
+                                                                   mt_bench_prompts, wait_until):
+    """Last in this module: it kills the decode worker."""
+    stream = client.stream(mt_bench_prompts[1], max_tokens=400)
+    next(stream)
+    ray.kill(stack.loop._decode[0].actor)
+    with pytest.raises(grpc.RpcError) as error:
+        for _ in stream:
+            pass
+    assert error.value.code() == grpc.StatusCode.INTERNAL
+    assert "worker failure" in error.value.details()
+    assert wait_until(lambda: stack.loop.num_requests == 0)

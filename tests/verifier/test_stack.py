@@ -1,7 +1,6 @@
 """`sssd up --once`, the README's main job: the whole local stack answers through the API."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,13 +10,7 @@ import pytest
 pytest.importorskip("ray")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_sssd_up_once_serves_a_prompt_and_stops(tmp_path, warm_datastore):
+def test_sssd_up_once_serves_a_prompt_and_stops(tmp_path, warm_datastore, free_port):
     sssd = Path(sys.executable).with_name("sssd")
     command = [str(sssd), "up", "--once", "--datastore", warm_datastore,
                "--port", str(free_port()), "--drafter-port", str(free_port()),
