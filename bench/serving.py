@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--datastore", type=Path, default=None)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--max-batch-size", type=int, default=8)
-    parser.add_argument("--budget-policy", default="rule", choices=("rule", "measured"))
+    parser.add_argument("--budget-policy", default="measured", choices=("rule", "measured"))
     parser.add_argument("--drafter-port", type=int, default=50151)
     parser.add_argument("--metrics-port", type=int, default=8180)
     parser.add_argument("--seed", type=int, default=0)

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--drafter", default=None, help="host:port of a drafter service instead")
     srv.add_argument("--max-batch-size", type=int, default=8)
     srv.add_argument("--max-len", type=int, default=4096)
-    srv.add_argument("--budget-policy", default="rule", choices=("rule", "measured"))
+    srv.add_argument("--budget-policy", default="measured", choices=("rule", "measured"))
     srv.add_argument("--max-requests", type=int, default=64)
     srv.add_argument("--grace-s", type=float, default=10.0)
     srv.add_argument("--ray", action="store_true",

@@ -102,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-workers", type=int, default=1)
     parser.add_argument("--max-batch-size", type=int, default=8, help="per decode worker")
     parser.add_argument("--max-len", type=int, default=2048)
-    parser.add_argument("--budget-policy", default="rule", choices=("rule", "measured"))
+    parser.add_argument("--budget-policy", default="measured", choices=("rule", "measured"),
+                        help="measured (default): profiles the forward pass in the worker at start")
     parser.add_argument("--max-requests", type=int, default=64)
     parser.add_argument("--ray-auth", default="token", choices=("token", "disabled"),
                         help="Ray token authentication (default on)")
