@@ -7,9 +7,9 @@
        worker (Ray actors, each with its own copy of the model);
     4. the gRPC Generate API (health, reflection) on 127.0.0.1:50061.
 
-It prints where to connect, where the Ray dashboard and the Prometheus endpoint are, answers one
-prompt through the API as a check, and serves until Ctrl-C or SIGTERM (then drains). `--once`
-stops after that answer.
+It prints where to connect, where the Ray dashboard and the Prometheus endpoint are, answers a check
+prompt through the API with speculation and again without, printing the measured speedup, and
+serves until Ctrl-C or SIGTERM (then drains). `--once` stops after the check.
 
 Ray authentication is on (`--ray-auth token`, the default): Ray's own ports listen on every
 interface even on a loopback-only stack, so the cluster is closed with a token, RAY_AUTH_TOKEN
@@ -63,20 +63,32 @@ def start_drafter(datastore: Path, vocab_size: int, fingerprint: str, host: str,
 
 
 def demo(target: str, prompt: str, max_tokens: int) -> None:
+    """Streams the answer with speculation, then asks again with speculation off and prints
+    the measured speedup (both through the API, one request at a time)."""
     from sssd.verifier.client import GenerationClient
 
     print(f"\n>>> {prompt}\n", flush=True)
-    totals = None
+    totals, token_ids = None, []
     with GenerationClient(target) as client:
         for chunk in client.stream(prompt, max_tokens=max_tokens):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
+            token_ids += chunk.token_ids
             totals = chunk.totals or totals
-    if totals is not None:
-        print(f"\n\n[{totals.completion_tokens} tokens ({totals.finish_reason}); first token "
-              f"after {totals.time_to_first_token_s:.2f} s; {totals.tokens_per_second:.1f} "
+        if totals is None:
+            return
+        print(f"\n\n[SSSD: {totals.completion_tokens} tokens ({totals.finish_reason}); first "
+              f"token after {totals.time_to_first_token_s:.2f} s; {totals.tokens_per_second:.1f} "
               f"tokens/s; {totals.mean_accepted_length:.2f} tokens per verification step]",
               flush=True)
+        plain = client.generate(prompt, max_tokens=max_tokens, speculation="off")
+    if plain.totals is None or not plain.totals.tokens_per_second:
+        return
+    same = "identical" if plain.token_ids == token_ids else \
+        "different (a bfloat16 near-tie; --dtype float32 breaks ties exactly)"
+    print(f"[speculation off: {plain.totals.tokens_per_second:.1f} tokens/s; speedup "
+          f"{totals.tokens_per_second / plain.totals.tokens_per_second:.2f}x; outputs {same}]",
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

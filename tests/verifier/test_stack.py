@@ -27,6 +27,7 @@ def test_sssd_up_once_serves_a_prompt_and_stops(tmp_path, warm_datastore, free_p
                  "[4/4] serving the Generate API on 127.0.0.1:", ">>> Name a colour."):
         assert step in out, out
     assert "tokens per verification step]" in out  # the answer's totals came back
+    assert "[speculation off: " in out and "x; outputs " in out  # and the measured speedup
     token_file = tmp_path / "var" / "ray" / "auth_token"
     assert f"token in {token_file}" in out
     assert token_file.stat().st_mode & 0o777 == 0o600
