@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,6 +30,9 @@ from grpc_reflection.v1alpha import reflection
 from sssd.verifier.config import EngineConfig
 from sssd.verifier.loop import Draining, EngineLoop, Overloaded, StreamEvent
 from sssd.verifier.ray_serving import RayBackend, RayConfig
+
+if TYPE_CHECKING:
+    from sssd.indexer.sink import PublishConfig
 from sssd.verifier.sampling import SamplingParams
 from sssd.v1 import generate_pb2, generate_pb2_grpc
 
@@ -50,6 +54,8 @@ class FrontendConfig:
     grace_s: float = 10.0  # SIGTERM: running requests get this long to finish
     max_workers: int = 80  # gRPC handler threads (> max_requests, so refusals are answered)
     ray: RayConfig | None = None  # None: single process; else prefill/decode Ray workers
+    # Completed conversations to the Redis stream of the live datastore (None: not published).
+    publish: "PublishConfig | None" = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
@@ -192,6 +198,7 @@ class Frontend:
     servicer: GenerationServicer
     health: health.HealthServicer
     loop: EngineLoop | RayBackend | None = None
+    sink: object | None = None  # the ConversationSink of the single-process mode
 
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving \
@@ -210,7 +217,8 @@ class Frontend:
         if config.ray is not None:
             from sssd.common.tokenizer import load_tokenizer
 
-            backend = RayBackend(engine_config, config.ray, config.max_requests).start()
+            backend = RayBackend(engine_config, config.ray, config.max_requests,
+                                 publish=config.publish).start()
             self.loop = backend
             self.servicer.attach(backend, load_tokenizer(engine_config.model),
                                  engine_config.max_len, backend.vocab_size)
@@ -222,7 +230,12 @@ class Frontend:
         def decode(ids: list[int]) -> str:
             return loaded.tokenizer.decode(ids, skip_special_tokens=True)
 
-        self.loop = EngineLoop(engine, decode, self.servicer.config.max_requests).start()
+        observer = None
+        if config.publish is not None:
+            from sssd.indexer.sink import ConversationSink
+
+            observer = self.sink = ConversationSink(config.publish, loaded.fingerprint)
+        self.loop = EngineLoop(engine, decode, config.max_requests, observer).start()
         self.servicer.attach(self.loop, loaded.tokenizer, engine_config.max_len,
                              loaded.vocab_size)
         self.set_serving(True)
@@ -246,6 +259,8 @@ class Frontend:
             proposer = self.loop.engine.proposer
             if proposer is not None and hasattr(proposer, "close"):
                 proposer.close()
+            if self.sink is not None:
+                self.sink.close()  # sends what Redis takes; the rest stays in the spool
 
 
 def start_frontend(config: FrontendConfig) -> Frontend:

@@ -80,11 +80,31 @@ class LoopObserver:
                 num_tokens: int, num_accepted: int) -> None:
         """After a verification step over `num_rows` sequences that emitted `num_tokens`."""
 
-    def on_finish(self, totals: Totals | None, error: str | None) -> None:
-        """A request ended: with its totals, or with an error."""
+    def on_finish(self, totals: Totals | None, error: str | None,
+                  seq: Sequence | None = None) -> None:
+        """A request ended: with its totals (and its sequence), or with an error."""
 
     def on_queue(self, num_waiting: int, num_running: int) -> None:
         """The number of queued (not yet admitted) and running requests, once per loop pass."""
+
+
+class Observers(LoopObserver):
+    """Several observers as one, called in order."""
+
+    def __init__(self, *observers: LoopObserver) -> None:
+        self.observers = observers
+
+    def on_step(self, *args, **kwargs) -> None:
+        for observer in self.observers:
+            observer.on_step(*args, **kwargs)
+
+    def on_finish(self, *args, **kwargs) -> None:
+        for observer in self.observers:
+            observer.on_finish(*args, **kwargs)
+
+    def on_queue(self, *args, **kwargs) -> None:
+        for observer in self.observers:
+            observer.on_queue(*args, **kwargs)
 
 
 class EngineLoop:
@@ -277,4 +297,4 @@ class EngineLoop:
             mean_accepted_length=(completion - 1) / seq.num_steps if seq.num_steps else 0.0,
             finish_reason=seq.finish_reason or "stop")
         handle.events.put(StreamEvent([], "", totals=totals))
-        self.observer.on_finish(totals, None)
+        self.observer.on_finish(totals, None, seq)

