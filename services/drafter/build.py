@@ -92,6 +92,34 @@ def build_datastore(
     return new_manifest
 
 
+def link_datastore(source: str | os.PathLike, target: str | os.PathLike) -> Manifest:
+    """Makes `target` a datastore with the same shards as `source`, hard-linking their files
+    (shards are immutable, so sharing them is safe; copies when the two are on different file
+    systems). For a live datastore that starts warm without touching the source."""
+    import shutil
+
+    source, target = Path(source), Path(target)
+    manifest = read_manifest(source)
+    if manifest is None or not manifest.shards:
+        raise ValueError(f"{source} holds no datastore (no manifest listing shards)")
+    target.mkdir(parents=True, exist_ok=True)
+    for name in manifest.shards:
+        if (target / name).exists():
+            continue
+        temporary = target / f".{name}.link.tmp"
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir()
+        for file in (source / name).iterdir():
+            try:
+                os.link(file, temporary / file.name)
+            except OSError:
+                shutil.copy2(file, temporary / file.name)
+        os.rename(temporary, target / name)
+    linked = Manifest(version=1, shards=manifest.shards, last_entry_id=None)
+    write_manifest(target, linked)
+    return linked
+
+
 def _read_token_documents(path: Path) -> Iterator[list[int]]:
     """JSONL where each line is a list of token ids or {"token_ids": [...]}."""
     with open(path) as f:

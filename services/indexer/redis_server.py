@@ -39,7 +39,7 @@ class RedisServer:
 
     def __init__(self, directory: str | os.PathLike, port: int = 0,
                  host: str = "127.0.0.1") -> None:
-        self.directory = Path(directory)
+        self.directory = Path(directory).absolute()  # redis-server changes into it
         self.host = host
         self.port = port or free_port(host)
         self.process: subprocess.Popen | None = None

