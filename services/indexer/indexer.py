@@ -48,6 +48,7 @@ from sssd.indexer.conversations import (
 logger = logging.getLogger(__name__)
 
 CRASH_POINTS = ("during_build", "after_build", "after_manifest")
+LAG_COUNT_LIMIT = 100_000
 
 
 class SimulatedCrash(RuntimeError):
@@ -188,12 +189,17 @@ class Indexer:
 
     @property
     def lag(self) -> int:
-        """Entries in the stream not yet delivered to this group (Redis 7+: XINFO lag)."""
+        """Stream entries not yet in the datastore: delivered but not acknowledged, plus not
+        yet delivered (counted up to LAG_COUNT_LIMIT; Redis 6 has no XINFO lag field)."""
         for group in self.client.xinfo_groups(self.config.stream):
             name = group["name"]
-            if (name.decode() if isinstance(name, bytes) else name) == self.config.group:
-                lag = group.get("lag")
-                return int(lag) if lag is not None else -1
+            if (name.decode() if isinstance(name, bytes) else name) != self.config.group:
+                continue
+            last = group["last-delivered-id"]
+            last = last.decode() if isinstance(last, bytes) else last
+            undelivered = self.client.xrange(self.config.stream, min=f"({last}", max="+",
+                                             count=LAG_COUNT_LIMIT)
+            return int(group["pending"]) + len(undelivered)
         return -1
 
     # --- entries ----------------------------------------------------------------------------

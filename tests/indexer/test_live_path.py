@@ -4,6 +4,8 @@ changes what the drafter proposes for a matching prefix."""
 
 import time
 
+import pytest
+
 from sssd.common.corpus import prompt_token_ids
 from sssd.drafter.drafter import DraftRequest
 from sssd.indexer.indexer import Indexer, IndexerConfig, read_documents
@@ -61,3 +63,64 @@ def test_api_conversations_become_drafts(tmp_path, target_model_fp32):
     finally:
         frontend.stop(0)
         redis_server.stop()
+
+
+def test_redis_down_while_requests_run_loses_no_request_and_no_conversation(
+        tmp_path, target_model_fp32):
+    redis_server = RedisServer(tmp_path / "redis").start()
+    stream = "test:outage"
+    engine = EngineConfig(dtype="float32", mode="prompt_lookup", max_batch_size=2, max_len=256)
+    frontend = start_frontend(FrontendConfig(
+        engine=engine, port=0, max_requests=2, max_workers=4,
+        publish=PublishConfig(redis_server.url, str(tmp_path / "spool"), stream=stream)))
+    try:
+        frontend.load(target_model_fp32)
+        prompts = ["Name a fruit.", "Name a river.", "Name a planet.", "Name a metal."]
+        answers = []
+        with GenerationClient(f"127.0.0.1:{frontend.port}", RetryPolicy(attempts=1)) as client:
+            answers.append(client.generate(prompts[0], max_tokens=6))
+            redis_server.stop()
+            answers += [client.generate(p, max_tokens=6) for p in prompts[1:3]]
+            redis_server.start()  # same port and data directory
+            answers.append(client.generate(prompts[3], max_tokens=6))
+        assert all(a.totals.completion_tokens == 6 for a in answers)  # no request failed
+        assert frontend.sink.publisher.flush(20)
+        import numpy as np
+        import redis
+
+        entries = redis.Redis.from_url(redis_server.url).xrange(stream)
+        outputs = [np.frombuffer(f[b"output"], "<u4").tolist() for _, f in entries]
+        assert sorted(outputs) == sorted(a.token_ids for a in answers)  # none lost
+        assert frontend.sink.publisher.stats.spooled >= 1  # the outage went through the spool
+    finally:
+        frontend.stop(0)
+        redis_server.stop()
+
+
+def test_offline_build_from_a_corpus_file(tmp_path, tokenizer):
+    import json
+
+    from sssd.common.tokenizer import tokenizer_fingerprint
+    from sssd.drafter.shard import read_meta
+    from sssd.drafter.manifest import read_manifest
+    from sssd.indexer.service import main
+
+    corpus = tmp_path / "corpus.jsonl"
+    records = [{"text": "The quick brown fox jumps over the lazy dog."},
+               {"messages": [{"role": "user", "content": "Hi"},
+                             {"role": "assistant", "content": "Hello! How can I help?"}]},
+               {"conversations": [{"from": "human", "value": "2+2?"},
+                                  {"from": "gpt", "value": "4"}]}]
+    corpus.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    assert main(["offline", "--datastore-dir", str(tmp_path / "ds"), str(corpus)]) == 0
+    documents = read_documents(tmp_path / "ds")
+    assert len(documents) == 3
+    assert tokenizer.decode(documents[0]) == records[0]["text"]
+    assert "Hello! How can I help?" in tokenizer.decode(documents[1])
+    shard = read_manifest(tmp_path / "ds").shards[0]
+    assert read_meta(tmp_path / "ds" / shard).tokenizer_fingerprint == \
+        tokenizer_fingerprint(tokenizer)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"neither": 1}\n')
+    with pytest.raises(SystemExit, match="bad.jsonl:2"):
+        main(["offline", "--datastore-dir", str(tmp_path / "ds2"), str(bad)])
