@@ -22,7 +22,8 @@ WINDOW_STEPS = 32  # steps averaged into the tokens-per-second and accepted-leng
 class DecodeMetrics(LoopObserver):
     """The decode worker's metrics: requests, tokens, speed, speculation, queue, drafter."""
 
-    def __init__(self, worker: str) -> None:
+    def __init__(self, worker: str, publisher=None) -> None:
+        """`publisher`: the worker's ConversationPublisher (live datastore), if any."""
         from ray.util import metrics
 
         tags = ("worker",)
@@ -57,9 +58,14 @@ class DecodeMetrics(LoopObserver):
         self.drafter_fallbacks = metrics.Counter(
             "sssd_drafter_fallbacks", "Steps decoded without speculation because the drafter "
             "failed", tag_keys=tags)
+        self.publisher = publisher
+        self.conversations = metrics.Gauge(
+            "sssd_conversations", "Completed conversations for the live datastore, by state: "
+            "published (in the stream), spooled (ever written to the disk spool while Redis was "
+            "away), dropped (spool full)", tag_keys=("worker", "state"))
         for metric in (self.requests, self.tokens, self.tokens_per_second, self.accepted,
                        self.budget, self.draft_ms, self.verify_ms, self.queue_depth, self.running,
-                       self.drafter_errors, self.drafter_fallbacks):
+                       self.drafter_errors, self.drafter_fallbacks, self.conversations):
             metric.set_default_tags({"worker": worker})
         self._window: deque[tuple[float, int, int]] = deque(maxlen=WINDOW_STEPS)
         self._errors = self._fallbacks = 0
@@ -96,6 +102,10 @@ class DecodeMetrics(LoopObserver):
     def on_queue(self, num_waiting: int, num_running: int) -> None:
         self.queue_depth.set(num_waiting)
         self.running.set(num_running)
+        if self.publisher is not None:
+            stats = self.publisher.stats
+            for state in ("published", "spooled", "dropped"):
+                self.conversations.set(getattr(stats, state), tags={"state": state})
 
 
 class PrefillMetrics:

@@ -147,16 +147,17 @@ class DecodeWorker:
             return tokenizer.decode(ids, skip_special_tokens=True)
 
         observers: list[LoopObserver] = []
-        if metrics:
-            from sssd.verifier.metrics import DecodeMetrics
-
-            observers.append(DecodeMetrics(name))
         self.sink = None
         if publish is not None:  # completed conversations to the live datastore's stream
             from sssd.indexer.sink import ConversationSink
 
             self.sink = ConversationSink(publish, loaded.fingerprint, worker=name)
             observers.append(self.sink)
+        if metrics:
+            from sssd.verifier.metrics import DecodeMetrics
+
+            observers.append(DecodeMetrics(
+                name, publisher=self.sink.publisher if self.sink is not None else None))
         observer = Observers(*observers)
         self.name = name
         self.vocab_size = loaded.vocab_size

@@ -56,8 +56,21 @@ def drafter_service(target_model_fp32, warm_datastore, free_port):
 
 
 @pytest.fixture(scope="module")
-def stack(drafter_service, free_port):
+def redis_server(tmp_path_factory):
+    from sssd.indexer.redis_server import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(drafter_service, free_port, redis_server, tmp_path_factory):
+    from sssd.indexer.sink import PublishConfig
+
     metrics_port = free_port()
+    publish = PublishConfig(redis_server.url, str(tmp_path_factory.mktemp("spool")),
+                            stream="test:ray")
     engine = EngineConfig(dtype="float32", mode="sssd", max_batch_size=4, max_len=1024,
                           drafter_target=f"127.0.0.1:{drafter_service.config.port}",
                           drafter_timeout_s=1.0)
@@ -66,7 +79,8 @@ def stack(drafter_service, free_port):
                            cpus_per_worker=0.5, object_store_bytes=256 << 20,
                            metrics_report_interval_ms=500)
     frontend = start_frontend(FrontendConfig(engine=engine, port=0, max_requests=3,
-                                             max_workers=8, grace_s=5.0, ray=ray_config))
+                                             max_workers=8, grace_s=5.0, ray=ray_config,
+                                             publish=publish))
     frontend.load()
     yield frontend
     frontend.stop(0)
@@ -167,7 +181,7 @@ def test_drafter_killed_then_restarted_over_the_api(client, drafter_service, mt_
 METRICS = ("sssd_requests", "sssd_tokens_generated", "sssd_tokens_per_second",
            "sssd_mean_accepted_tokens", "sssd_speculation_budget", "sssd_draft_latency_ms",
            "sssd_verify_step_latency_ms", "sssd_drafter_errors",
-           "sssd_drafter_fallbacks", "sssd_prefill_latency_ms")
+           "sssd_drafter_fallbacks", "sssd_prefill_latency_ms", "sssd_conversations")
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -182,7 +196,8 @@ def scrape(url: str) -> dict[str, float]:
     return values
 
 
-def test_metrics_on_the_prometheus_endpoint(client, stack, mt_bench_prompts, wait_until):
+def test_metrics_on_the_prometheus_endpoint(client, stack, mt_bench_prompts, wait_until,
+                                            redis_server):
     client.generate(mt_bench_prompts[0], max_tokens=16)
     url = stack.loop.endpoints["metrics"]
     values: dict[str, float] = {}
@@ -197,6 +212,11 @@ def test_metrics_on_the_prometheus_endpoint(client, stack, mt_bench_prompts, wai
         f"missing or zero: {[n for n in METRICS if values.get(n, 0) <= 0]}"
     # Gauges that are legitimately 0 once the server is idle again.
     assert "sssd_queue_depth" in values and "sssd_running_sequences" in values
+    # The decode worker published the completed conversations to the live datastore's stream.
+    import redis
+
+    stream_length = redis.Redis.from_url(redis_server.url).xlen("test:ray")
+    assert stream_length >= values["sssd_conversations"] > 0
 
 
 def test_the_cluster_refuses_a_wrong_token(stack):
