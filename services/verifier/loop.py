@@ -25,6 +25,11 @@ from sssd.verifier.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 
+# While idle the loop still wakes this often so observers can re-report their gauges (Ray drops
+# a gauge from its Prometheus export about 10 s after its last update).
+IDLE_TICK_S = 2.0
+
+
 class Overloaded(RuntimeError):
     """The loop already holds its maximum of requests."""
 
@@ -190,7 +195,8 @@ class EngineLoop:
             with self._cond:
                 while not (self._stopped or self._inbox or self._cancels
                            or self.engine.has_work()):
-                    self._cond.wait()
+                    if not self._cond.wait(timeout=IDLE_TICK_S):
+                        break  # idle: one pass to refresh the observers' gauges
                 if self._stopped:
                     break
                 inbox, self._inbox = self._inbox, []

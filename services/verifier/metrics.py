@@ -69,6 +69,7 @@ class DecodeMetrics(LoopObserver):
             metric.set_default_tags({"worker": worker})
         self._window: deque[tuple[float, int, int]] = deque(maxlen=WINDOW_STEPS)
         self._errors = self._fallbacks = 0
+        self._last: dict[str, float] = {}  # gauge values, re-set while idle
 
     def on_step(self, engine: Engine, step: StepInfo, step_s: float, num_rows: int,
                 num_tokens: int, num_accepted: int) -> None:
@@ -78,10 +79,10 @@ class DecodeMetrics(LoopObserver):
         rows = sum(r for _, r, _ in self._window)
         tokens = sum(t for _, _, t in self._window)
         if seconds > 0:
-            self.tokens_per_second.set(tokens / seconds)
+            self._last["tokens_per_second"] = tokens / seconds
         if rows:
-            self.accepted.set(tokens / rows)
-        self.budget.set(step.budget)
+            self._last["accepted"] = tokens / rows
+        self._last["budget"] = step.budget
         if step.budget > 1:
             self.draft_ms.observe(step.draft_ms)
         self.verify_ms.observe(step.verify_ms)
@@ -100,8 +101,15 @@ class DecodeMetrics(LoopObserver):
             self.tokens.inc(1)  # the first token, sampled from the prefill's logits
 
     def on_queue(self, num_waiting: int, num_running: int) -> None:
+        """Called every loop pass, idle ones included: all gauges are (re)set here, so they
+        stay in Ray's export while the worker is idle (the windowed ones keep describing the
+        last steps made)."""
         self.queue_depth.set(num_waiting)
         self.running.set(num_running)
+        for name, gauge in (("tokens_per_second", self.tokens_per_second),
+                            ("accepted", self.accepted), ("budget", self.budget)):
+            if name in self._last:
+                gauge.set(self._last[name])
         if self.publisher is not None:
             stats = self.publisher.stats
             for state in ("published", "spooled", "dropped"):

@@ -217,6 +217,11 @@ def test_metrics_on_the_prometheus_endpoint(client, stack, mt_bench_prompts, wai
 
     stream_length = redis.Redis.from_url(redis_server.url).xlen("test:ray")
     assert stream_length >= values["sssd_conversations"] > 0
+    # Ray drops a gauge about 10 s after its last update; the idle loop keeps re-setting them.
+    time.sleep(12)
+    idle = scrape(url)
+    assert {"sssd_queue_depth", "sssd_running_sequences", "sssd_tokens_per_second",
+            "sssd_speculation_budget", "sssd_conversations"} <= set(idle)
 
 
 def test_the_cluster_refuses_a_wrong_token(stack):
