@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass
 
 from sssd.indexer.conversations import STREAM, Conversation
-from sssd.verifier.loop import LoopObserver, Totals
+from sssd.verifier.loop import LoopObserver
+from sssd.verifier.totals import Totals
 
 PUBLISHED_REASONS = ("stop", "length")
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from sssd.v1 import generate_pb2, generate_pb2_grpc
+from sssd.verifier.totals import Totals
 
 SPECULATION = {"auto": generate_pb2.SPECULATION_MODE_AUTO,
                "off": generate_pb2.SPECULATION_MODE_OFF,
@@ -42,22 +43,16 @@ class Chunk:
     totals: Totals | None  # only on the last chunk
 
 
-@dataclass(frozen=True)
-class Totals:
-    prompt_tokens: int
-    completion_tokens: int
-    time_to_first_token_s: float
-    total_s: float
-    tokens_per_second: float
-    mean_accepted_length: float
-    finish_reason: str
-
-
 @dataclass
 class Result:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     totals: Totals | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        self.text += chunk.text
+        self.token_ids += chunk.token_ids
+        self.totals = chunk.totals or self.totals
 
 
 @dataclass(frozen=True)
@@ -113,12 +108,12 @@ def to_chunk(message: generate_pb2.GenerateResponse) -> Chunk:
                  step.draft_ms if step else None, step.verify_ms if step else None, totals)
 
 
-def collect(chunks: Iterator[Chunk], result: Result) -> Result:
-    for chunk in chunks:
-        result.text += chunk.text
-        result.token_ids += chunk.token_ids
-        result.totals = chunk.totals or result.totals
-    return result
+def retry_delay(err: grpc.RpcError, received: bool, delays: Iterator[float]) -> float | None:
+    """Seconds to wait before calling again, or None to raise `err`: only UNAVAILABLE before
+    the first answer message is retried, so an answer is never duplicated."""
+    if received or err.code() != grpc.StatusCode.UNAVAILABLE:
+        return None
+    return next(delays, None)
 
 
 class GenerationClient:
@@ -142,9 +137,7 @@ class GenerationClient:
                     yield to_chunk(message)
                 return
             except grpc.RpcError as err:
-                if received or err.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise
-                delay = next(delays, None)
+                delay = retry_delay(err, received, delays)
                 if delay is None:
                     raise
                 time.sleep(delay)
@@ -153,7 +146,10 @@ class GenerationClient:
 
     def generate(self, prompt: Prompt, **options) -> Result:
         """The whole answer."""
-        return collect(self.stream(prompt, **options), Result())
+        result = Result()
+        for chunk in self.stream(prompt, **options):
+            result.add(chunk)
+        return result
 
     def close(self) -> None:
         self._channel.close()
@@ -184,9 +180,7 @@ class AsyncGenerationClient:
                     yield to_chunk(message)
                 return
             except grpc.RpcError as err:
-                if received or err.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise
-                delay = next(delays, None)
+                delay = retry_delay(err, received, delays)
                 if delay is None:
                     raise
                 await asyncio.sleep(delay)
@@ -196,9 +190,7 @@ class AsyncGenerationClient:
     async def generate(self, prompt: Prompt, **options) -> Result:
         result = Result()
         async for chunk in self.stream(prompt, **options):
-            result.text += chunk.text
-            result.token_ids += chunk.token_ids
-            result.totals = chunk.totals or result.totals
+            result.add(chunk)
         return result
 
     async def close(self) -> None:

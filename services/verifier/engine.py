@@ -72,7 +72,6 @@ class Engine:
         self.stats = EngineStats()
         # The latest step, for per-step statistics of streaming servers.
         self.last_budget, self.last_draft_s, self.last_verify_s = 1, 0.0, 0.0
-        self._last_draft_s = 0.0
         # Default request ids are unique per engine: engines that share a drafter service must
         # not collide on its per-sequence state.
         self._id_prefix = secrets.token_hex(4)
@@ -157,7 +156,7 @@ class Engine:
         results = [self._accept(seq, tree, logits[row, : tree.num_nodes])
                    for row, (seq, tree) in enumerate(zip(self.running, trees))]
         self.runner.commit([r.accepted_nodes for r in results])
-        self.last_budget, self.last_draft_s, self.last_verify_s = budget, self._last_draft_s, verify_s
+        self.last_budget, self.last_verify_s = budget, verify_s
         for seq, result in zip(self.running, results):
             seq.num_steps += 1
             seq.last_accepted = len(result.accepted_tokens)
@@ -198,7 +197,7 @@ class Engine:
         return int(sample_tokens(probs, seq.generator)[0])
 
     def _draft(self, budget: int) -> list[DraftTree]:
-        self._last_draft_s = 0.0
+        self.last_draft_s = 0.0
         roots = [DraftTree.root_only(seq.token_ids[-1]) for seq in self.running]
         for seq in self.running:
             seq.last_budget = 1
@@ -228,8 +227,8 @@ class Engine:
                 seq.num_drafter_tokens = 0  # its state is unknown now: restart next time
             return roots
         finally:
-            self._last_draft_s = time.perf_counter() - start
-            self.stats.draft_s += self._last_draft_s
+            self.last_draft_s = time.perf_counter() - start
+            self.stats.draft_s += self.last_draft_s
         for seq, seq_budget in zip(self.running, budgets):
             seq.num_drafter_tokens = len(seq.prompt_ids) + len(seq.output_ids)
             seq.last_budget = seq_budget

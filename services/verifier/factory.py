@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,6 +24,10 @@ from sssd.verifier.budget_policy import (
 from sssd.verifier.config import EngineConfig
 from sssd.verifier.engine import Engine
 from sssd.verifier.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from sssd.indexer.sink import PublishConfig
+    from sssd.verifier.loop import EngineLoop
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +95,35 @@ def make_proposer(config: EngineConfig, loaded: LoadedModel) -> object | None:
                                     tokenizer_fingerprint=loaded.fingerprint))
     drafter.start()
     return drafter
+
+
+def build_engine_loop(config: EngineConfig, loaded: LoadedModel, max_requests: int,
+                      publish: "PublishConfig | None" = None, worker: str = "local",
+                      ray_metrics: bool = False) -> "EngineLoop":
+    """An engine and its serving loop, started. `publish`: completed conversations go to the
+    live datastore's stream; `ray_metrics`: the loop reports through ray.util.metrics (inside
+    a Ray worker). `EngineLoop.close` releases all of it."""
+    from sssd.verifier.loop import EngineLoop, LoopObserver, Observers
+
+    observers: list[LoopObserver] = []
+    publisher = None
+    if publish is not None:
+        from sssd.indexer.sink import ConversationSink
+
+        sink = ConversationSink(publish, loaded.fingerprint, worker=worker)
+        publisher = sink.publisher
+        observers.append(sink)
+    if ray_metrics:
+        from sssd.verifier.metrics import DecodeMetrics
+
+        observers.append(DecodeMetrics(worker, publisher=publisher))
+    tokenizer = loaded.tokenizer
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    return EngineLoop(build_engine(config, loaded), decode, max_requests,
+                      Observers(*observers)).start()
 
 
 def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Engine:

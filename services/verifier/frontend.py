@@ -198,7 +198,6 @@ class Frontend:
     servicer: GenerationServicer
     health: health.HealthServicer
     loop: EngineLoop | RayBackend | None = None
-    sink: object | None = None  # the ConversationSink of the single-process mode
 
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving \
@@ -210,7 +209,7 @@ class Frontend:
         """Loads the model, builds the engine and its loop (or starts the Ray workers), then
         reports SERVING."""
         from sssd.common.model_loader import load_causal_lm
-        from sssd.verifier.factory import build_engine
+        from sssd.verifier.factory import build_engine_loop
 
         config = self.servicer.config
         engine_config = config.engine
@@ -225,17 +224,8 @@ class Frontend:
             self.set_serving(True)
             return
         loaded = loaded or load_causal_lm(engine_config.model, engine_config.dtype)
-        engine = build_engine(engine_config, loaded)
-
-        def decode(ids: list[int]) -> str:
-            return loaded.tokenizer.decode(ids, skip_special_tokens=True)
-
-        observer = None
-        if config.publish is not None:
-            from sssd.indexer.sink import ConversationSink
-
-            observer = self.sink = ConversationSink(config.publish, loaded.fingerprint)
-        self.loop = EngineLoop(engine, decode, config.max_requests, observer).start()
+        self.loop = build_engine_loop(engine_config, loaded, config.max_requests,
+                                      publish=config.publish)
         self.servicer.attach(self.loop, loaded.tokenizer, engine_config.max_len,
                              loaded.vocab_size)
         self.set_serving(True)
@@ -252,15 +242,8 @@ class Frontend:
             while self.loop.num_requests and time.monotonic() < deadline:
                 time.sleep(0.05)
         self.server.stop(1.0).wait()  # whatever is left is cancelled
-        if isinstance(self.loop, RayBackend):
-            self.loop.stop()
-        elif self.loop is not None:
-            self.loop.stop()
-            proposer = self.loop.engine.proposer
-            if proposer is not None and hasattr(proposer, "close"):
-                proposer.close()
-            if self.sink is not None:
-                self.sink.close()  # sends what Redis takes; the rest stays in the spool
+        if self.loop is not None:
+            self.loop.close()
 
 
 def start_frontend(config: FrontendConfig) -> Frontend:

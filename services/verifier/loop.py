@@ -21,6 +21,7 @@ from sssd.verifier.engine import Engine
 from sssd.verifier.handoff import PrefilledPrompt
 from sssd.verifier.sampling import SamplingParams
 from sssd.verifier.sequence import Sequence
+from sssd.verifier.totals import Totals
 
 logger = logging.getLogger(__name__)
 
@@ -44,17 +45,6 @@ class StepInfo:
     budget: int  # speculation budget of the step (1: none)
     draft_ms: float
     verify_ms: float
-
-
-@dataclass(frozen=True)
-class Totals:
-    prompt_tokens: int
-    completion_tokens: int
-    time_to_first_token_s: float
-    total_s: float
-    tokens_per_second: float
-    mean_accepted_length: float  # tokens per verification step (accepted + 1)
-    finish_reason: str  # "stop", "length" or "cancelled"
 
 
 @dataclass(frozen=True)
@@ -92,6 +82,9 @@ class LoopObserver:
     def on_queue(self, num_waiting: int, num_running: int) -> None:
         """The number of queued (not yet admitted) and running requests, once per loop pass."""
 
+    def close(self) -> None:
+        """The loop has stopped: release resources (connections, background threads)."""
+
 
 class Observers(LoopObserver):
     """Several observers as one, called in order."""
@@ -110,6 +103,10 @@ class Observers(LoopObserver):
     def on_queue(self, *args, **kwargs) -> None:
         for observer in self.observers:
             observer.on_queue(*args, **kwargs)
+
+    def close(self) -> None:
+        for observer in self.observers:
+            observer.close()
 
 
 class EngineLoop:
@@ -187,6 +184,16 @@ class EngineLoop:
             self._stopped = True
             self._cond.notify()
         self._thread.join(timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stops the loop, then releases what it was built with: the proposer's connection and
+        the observers' resources (e.g. the live datastore's publisher, which sends what Redis
+        takes and leaves the rest in its spool)."""
+        self.stop(timeout)
+        proposer = self.engine.proposer
+        if proposer is not None and hasattr(proposer, "close"):
+            proposer.close()
+        self.observer.close()
 
     # --- the loop thread ---------------------------------------------------------------------------
 

@@ -9,14 +9,19 @@ uses the plain `LoopObserver` instead.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from sssd.verifier.engine import Engine
-from sssd.verifier.loop import LoopObserver, StepInfo, Totals
+from sssd.verifier.loop import LoopObserver, StepInfo
+from sssd.verifier.totals import Totals
 
 # Milliseconds: CPU verification steps take 20-200 ms, drafts 0.05-5 ms, prefills up to seconds.
 LATENCY_BOUNDARIES_MS = [0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000]
 WINDOW_STEPS = 32  # steps averaged into the tokens-per-second and accepted-length gauges
+# Gauges are set at most this often: Ray exports every few seconds, and the loop calls on_queue
+# on every pass, which is every decoding step when busy.
+GAUGE_REFRESH_S = 1.0
 
 
 class DecodeMetrics(LoopObserver):
@@ -70,6 +75,7 @@ class DecodeMetrics(LoopObserver):
         self._window: deque[tuple[float, int, int]] = deque(maxlen=WINDOW_STEPS)
         self._errors = self._fallbacks = 0
         self._last: dict[str, float] = {}  # gauge values, re-set while idle
+        self._refreshed = float("-inf")  # monotonic time the gauges were last set
 
     def on_step(self, engine: Engine, step: StepInfo, step_s: float, num_rows: int,
                 num_tokens: int, num_accepted: int) -> None:
@@ -101,9 +107,13 @@ class DecodeMetrics(LoopObserver):
             self.tokens.inc(1)  # the first token, sampled from the prefill's logits
 
     def on_queue(self, num_waiting: int, num_running: int) -> None:
-        """Called every loop pass, idle ones included: all gauges are (re)set here, so they
-        stay in Ray's export while the worker is idle (the windowed ones keep describing the
-        last steps made)."""
+        """Called every loop pass, idle ones included: all gauges are (re)set here, at most once
+        per GAUGE_REFRESH_S, so they stay in Ray's export while the worker is idle (the windowed
+        ones keep describing the last steps made)."""
+        now = time.monotonic()
+        if now - self._refreshed < GAUGE_REFRESH_S:
+            return
+        self._refreshed = now
         self.queue_depth.set(num_waiting)
         self.running.set(num_running)
         for name, gauge in (("tokens_per_second", self.tokens_per_second),

@@ -96,31 +96,37 @@ def _set_threads(num_threads: int) -> None:
     torch.set_num_threads(num_threads)
 
 
-class PrefillWorker:
+class _ModelWorker:
+    """What every worker does first: its torch threads, then its own copy of the model."""
+
+    def __init__(self, config: EngineConfig, name: str, torch_threads: int):
+        from sssd.common.model_loader import load_causal_lm
+
+        _set_threads(torch_threads)
+        self.loaded = load_causal_lm(config.model, config.dtype)
+        self.name = name
+
+    def ready(self) -> dict:
+        import torch
+
+        return {"name": self.name, "pid": os.getpid(), "vocab_size": self.loaded.vocab_size,
+                "fingerprint": self.loaded.fingerprint, "torch_threads": torch.get_num_threads()}
+
+
+class PrefillWorker(_ModelWorker):
     """Runs prompts through the model and hands their KV cache over (one prompt at a time)."""
 
     def __init__(self, config: EngineConfig, name: str, torch_threads: int = 1,
                  metrics: bool = True) -> None:
-        from sssd.common.model_loader import load_causal_lm
         from sssd.verifier.model_runner import ModelRunner
 
-        _set_threads(torch_threads)
-        loaded = load_causal_lm(config.model, config.dtype)
-        self.runner = ModelRunner(loaded.model, max_seqs=1, max_len=config.max_len)
-        self.name = name
-        self.vocab_size = loaded.vocab_size
-        self.fingerprint = loaded.fingerprint
+        super().__init__(config, name, torch_threads)
+        self.runner = ModelRunner(self.loaded.model, max_seqs=1, max_len=config.max_len)
         self.metrics = None
         if metrics:
             from sssd.verifier.metrics import PrefillMetrics
 
             self.metrics = PrefillMetrics(name)
-
-    def ready(self) -> dict:
-        import torch
-
-        return {"name": self.name, "pid": os.getpid(), "vocab_size": self.vocab_size,
-                "fingerprint": self.fingerprint, "torch_threads": torch.get_num_threads()}
 
     def prefill(self, prompt_ids: list[int]) -> PrefilledPrompt:
         prefilled = self.runner.prefill_for_handoff(prompt_ids)
@@ -129,49 +135,20 @@ class PrefillWorker:
         return prefilled
 
 
-class DecodeWorker:
+class DecodeWorker(_ModelWorker):
     """An engine loop (continuous batching with speculation) serving prefilled requests."""
 
     def __init__(self, config: EngineConfig, name: str, max_requests: int,
                  torch_threads: int = 1, metrics: bool = True, publish=None) -> None:
-        from sssd.common.model_loader import load_causal_lm
-        from sssd.verifier.factory import build_engine
-        from sssd.verifier.loop import EngineLoop, LoopObserver, Observers
+        from sssd.verifier.factory import build_engine_loop
 
-        _set_threads(torch_threads)
-        loaded = load_causal_lm(config.model, config.dtype)
-        engine = build_engine(config, loaded)
-        tokenizer = loaded.tokenizer
-
-        def decode(ids: list[int]) -> str:
-            return tokenizer.decode(ids, skip_special_tokens=True)
-
-        observers: list[LoopObserver] = []
-        self.sink = None
-        if publish is not None:  # completed conversations to the live datastore's stream
-            from sssd.indexer.sink import ConversationSink
-
-            self.sink = ConversationSink(publish, loaded.fingerprint, worker=name)
-            observers.append(self.sink)
-        if metrics:
-            from sssd.verifier.metrics import DecodeMetrics
-
-            observers.append(DecodeMetrics(
-                name, publisher=self.sink.publisher if self.sink is not None else None))
-        observer = Observers(*observers)
-        self.name = name
-        self.vocab_size = loaded.vocab_size
-        self.fingerprint = loaded.fingerprint
-        self.loop = EngineLoop(engine, decode, max_requests, observer).start()
+        super().__init__(config, name, torch_threads)
+        # `publish`: completed conversations to the live datastore's stream.
+        self.loop = build_engine_loop(config, self.loaded, max_requests, publish=publish,
+                                      worker=name, ray_metrics=metrics)
         # Cancels that arrived before their generate call (both race on the actor's threads).
         self._early_cancels: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
-
-    def ready(self) -> dict:
-        import torch
-
-        return {"name": self.name, "pid": os.getpid(), "vocab_size": self.vocab_size,
-                "fingerprint": self.fingerprint, "torch_threads": torch.get_num_threads()}
 
     def generate(self, request_id: str, request: dict,
                  prefilled: PrefilledPrompt) -> Iterator[StreamEvent]:
@@ -209,13 +186,8 @@ class DecodeWorker:
     def drain(self) -> None:
         self.loop.drain()
 
-    def stop(self) -> None:
-        self.loop.stop()
-        proposer = self.loop.engine.proposer
-        if proposer is not None and hasattr(proposer, "close"):
-            proposer.close()
-        if self.sink is not None:
-            self.sink.close()
+    def close(self) -> None:
+        self.loop.close()
 
 
 # --- the frontend's side --------------------------------------------------------------------
@@ -407,12 +379,13 @@ class RayBackend:
         for slot in self._decode:
             slot.actor.drain.remote()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Closes the decode workers' loops, ends the workers and a Ray cluster started here."""
         import ray
 
         if self._decode:
             try:
-                ray.get([s.actor.stop.remote() for s in self._decode], timeout=timeout)
+                ray.get([s.actor.close.remote() for s in self._decode], timeout=timeout)
             except Exception as exc:  # noqa: BLE001 - shutting down anyway
                 logger.warning("decode workers did not stop cleanly: %s", exc)
         for slot in self._prefill + self._decode:

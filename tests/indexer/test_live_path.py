@@ -84,14 +84,15 @@ def test_redis_down_while_requests_run_loses_no_request_and_no_conversation(
             redis_server.start()  # same port and data directory
             answers.append(client.generate(prompts[3], max_tokens=6))
         assert all(a.totals.completion_tokens == 6 for a in answers)  # no request failed
-        assert frontend.sink.publisher.flush(20)
+        (sink,) = frontend.loop.observer.observers  # the loop's only observer here
+        assert sink.publisher.flush(20)
         import numpy as np
         import redis
 
         entries = redis.Redis.from_url(redis_server.url).xrange(stream)
         outputs = [np.frombuffer(f[b"output"], "<u4").tolist() for _, f in entries]
         assert sorted(outputs) == sorted(a.token_ids for a in answers)  # none lost
-        assert frontend.sink.publisher.stats.spooled >= 1  # the outage went through the spool
+        assert sink.publisher.stats.spooled >= 1  # the outage went through the spool
     finally:
         frontend.stop(0)
         redis_server.stop()
