@@ -33,7 +33,7 @@ logger = logging.getLogger("cold_start")
 
 
 def load_conversations(path: Path, limit: int) -> list[tuple[list[int], list[int]]]:
-    from sssd.verifier.self_outputs import read_outputs
+    from sssd.cli.self_outputs import read_outputs
 
     conversations = []
     for record in read_outputs(path):
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     from sssd.indexer.indexer import Indexer, IndexerConfig
     from sssd.indexer.producer import ConversationPublisher
     from sssd.indexer.redis_server import RedisServer
-    from sssd.verifier.config import EngineConfig
+    from sssd.verifier.engine.config import EngineConfig
     from sssd.verifier.factory import build_engine
 
     conversations = load_conversations(args.outputs, steps[-1])

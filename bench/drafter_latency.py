@@ -122,7 +122,7 @@ def _zipf_cdf(n: int, exponent: float) -> np.ndarray:
 def ensure_datastore(cache_dir: Path, text: SyntheticText, num_tokens: int, num_shards: int,
                      seed: int) -> tuple[Path, dict]:
     """The datastore of `num_tokens` synthetic tokens, built unless a finished one is cached."""
-    from sssd.drafter.build import build_datastore
+    from sssd.datastore.build import build_datastore
 
     directory = cache_dir / f"synthetic-v{GENERATOR_VERSION}-{num_tokens}-seed{seed}-{num_shards}shards"
     info_path = directory / "bench-build.json"
@@ -224,7 +224,7 @@ class Workload:
 
     def step(self) -> list:
         """The DraftRequests of one decode step."""
-        from sssd.drafter.drafter import DraftRequest
+        from sssd.common.drafting import DraftRequest
 
         requests = []
         for index, row in enumerate(self.rows):
@@ -321,7 +321,7 @@ def summary(latencies: np.ndarray) -> dict:
 
 def breakdown(drafter, workload: Workload, iters: int) -> dict:
     """Median per-sequence microseconds of Algorithm 2 (`collect`) and of a whole `propose_one`."""
-    from sssd.drafter import _core
+    from sssd import _core
 
     datastore = drafter.watcher.current.core
     params = drafter.config.params.to_core()

@@ -42,9 +42,8 @@ import torch
 
 from sssd.common.corpus import first_turns, prompt_token_ids, read_mt_bench
 from sssd.common.model_loader import LoadedModel, load_causal_lm
-from sssd.drafter.manifest import read_manifest
-from sssd.verifier.config import EngineConfig
-from sssd.verifier.engine import EngineStats
+from sssd.datastore.manifest import read_manifest
+from sssd.verifier.engine import EngineConfig, EngineStats
 from sssd.verifier.factory import build_engine
 
 logger = logging.getLogger("e2e")
@@ -111,9 +110,7 @@ class Run:
         }
 
     def close(self) -> None:
-        close = getattr(self.engine.proposer, "close", None)
-        if close:
-            close()
+        self.engine.close()
 
 
 def start_drafters(loaded: LoadedModel, datastores: set[Path | None]) -> dict[Path | None, tuple]:

@@ -134,12 +134,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def start_stack(args) -> tuple[str, callable]:
     """Starts drafter + (Ray) frontend like `sssd up`; returns the target and a stop function."""
+    from sssd.cli.datastores import pick_datastore
+    from sssd.cli.processes import start_drafter
     from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
-    from sssd.verifier.config import EngineConfig
-    from sssd.verifier.frontend import FrontendConfig, start_frontend
-    from sssd.verifier.generate_cli import pick_datastore
-    from sssd.verifier.ray_serving import RayConfig
-    from sssd.verifier.stack import start_drafter
+    from sssd.verifier.engine.config import EngineConfig
+    from sssd.verifier.serving.config import FrontendConfig, RayConfig
+    from sssd.verifier.serving.frontend import start_frontend
 
     tokenizer = load_tokenizer()
     datastore = pick_datastore(args.datastore, tokenizer, 12_000)
@@ -184,8 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s: %(message)s")
 
+    from sssd.client import GenerationClient, RetryPolicy
     from sssd.common.corpus import first_turns, read_mt_bench
-    from sssd.verifier.client import GenerationClient, RetryPolicy
 
     rates = [float(r) for r in args.rates.split(",")]
     prompts = first_turns(read_mt_bench())

@@ -1,6 +1,25 @@
-"""Fixtures shared by more than one test package."""
+"""Fixtures shared by more than one test package.
+
+The model and everything derived from it (prompts, greedy references, a datastore of the model's
+own answers, engines) are loaded once per session, lazily: a test that needs none of them loads
+nothing (the fast tier, `pytest -m "not model"`, see pytest_collection_modifyitems).
+"""
 
 import pytest
+
+NUM_PROMPTS = 20
+MAX_NEW_TOKENS = 64
+
+# Fixtures that load the model (weights or tokenizer); a test using any of them is marked
+# `model` automatically. Tests that load it another way (a subprocess) carry the mark.
+MODEL_FIXTURES = {"tokenizer", "target_model_fp32", "mt_bench_prompts", "greedy_references",
+                  "warm_datastore", "engine_factory"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +71,80 @@ def free_port():
             return s.getsockname()[1]
 
     return pick
+
+
+@pytest.fixture(scope="session")
+def mt_bench_prompts(target_model_fp32):
+    from sssd.common.corpus import first_turns, read_mt_bench
+
+    tokenizer = target_model_fp32.tokenizer
+    prompts = []
+    for text in first_turns(read_mt_bench())[:NUM_PROMPTS]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return prompts
+
+
+@pytest.fixture(scope="session")
+def greedy_references(target_model_fp32, mt_bench_prompts):
+    """Plain greedy decoding by transformers' own generate(), one prompt at a time."""
+    import torch
+
+    model = target_model_fp32.model
+    references = []
+    with torch.inference_mode():
+        for prompt in mt_bench_prompts:
+            output = model.generate(torch.tensor([prompt]), do_sample=False,
+                                    max_new_tokens=MAX_NEW_TOKENS)
+            references.append(output[0, len(prompt):].tolist())
+    return references
+
+
+@pytest.fixture(scope="session")
+def warm_datastore(tmp_path_factory, target_model_fp32, greedy_references):
+    """A datastore holding the model's own answers to half the prompts, plus unrelated noise."""
+    import numpy as np
+
+    from sssd.datastore.build import build_datastore
+
+    directory = tmp_path_factory.mktemp("datastore")
+    rng = np.random.default_rng(0)
+    noise = [rng.integers(0, target_model_fp32.vocab_size, size=200) for _ in range(50)]
+    build_datastore(directory, greedy_references[::2] + noise, target_model_fp32.vocab_size,
+                    target_model_fp32.fingerprint, shard_tokens=8000)
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
+def engine_factory(target_model_fp32):
+    """make(max_batch_size, datastore_dir=None, proposer="inproc" | None | a Proposer) ->
+    (engine, drafter); "inproc" builds an in-process SSSD drafter, None decodes
+    autoregressively. The engine tracks text (stop strings)."""
+
+    def make(max_batch_size, datastore_dir=None, proposer="inproc", max_budget=16):
+        return make_engine(target_model_fp32, max_batch_size, datastore_dir, proposer, max_budget)
+
+    return make
+
+
+def make_engine(loaded, max_batch_size, datastore_dir=None, proposer="inproc", max_budget=16):
+    from sssd.drafter.config import DrafterConfig
+    from sssd.drafter.drafter import Drafter
+    from sssd.verifier.engine import Engine
+    from sssd.verifier.engine.budget_policy import RuleBudget
+    from sssd.verifier.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(loaded.model, max_seqs=max_batch_size, max_len=1024)
+    drafter = None
+    if proposer == "inproc":
+        drafter = Drafter(DrafterConfig(datastore_dir=datastore_dir, vocab_size=loaded.vocab_size,
+                                        tokenizer_fingerprint=loaded.fingerprint, num_threads=1))
+        drafter.start()
+    elif proposer is not None:
+        drafter = proposer
+    tokenizer = loaded.tokenizer
+    engine = Engine(runner, loaded.eos_token_ids, RuleBudget(32.0, max_budget), drafter,
+                    detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                    max_batch_size=max_batch_size)
+    return engine, drafter

@@ -1,4 +1,4 @@
-"""`RemoteDrafter`: the drafting interface (`propose` / `end` / `info`) over gRPC.
+"""`RemoteDrafter`: the drafting interface (`Proposer`, sssd.common.drafting) over gRPC.
 
 It behaves like the in-process `Drafter`, exceptions included, so a decode worker can use either:
 NOT_FOUND becomes `SequenceNotFound` (with the unknown ids), INVALID_ARGUMENT `ValueError`,
@@ -9,14 +9,15 @@ RESOURCE_EXHAUSTED `CapacityError`. Transport failures become `TimeoutError` (de
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import grpc
 import numpy as np
 
 from sssd.common.draft_tree import DraftTree
-from sssd.drafter.drafter import CapacityError, DraftRequest, SequenceNotFound
-from sssd.drafter.service import parse_unknown_ids
+from sssd.common.drafting import CapacityError, DraftRequest, SequenceNotFound
+from sssd.drafter.status import parse_unknown_ids
 from sssd.v1 import drafter_pb2, drafter_pb2_grpc
 
 
@@ -69,6 +70,11 @@ class RemoteDrafter:
                 f"for {len(requests)} sequences"
             )
         return [_from_proto(tree) for tree in response.drafts]
+
+    def append(self, requests: Sequence[DraftRequest]) -> None:
+        """Appends the requests' tokens without drafting: a Propose at budget 1, whose trees
+        are the roots alone (drafter.proto), so no extra RPC exists for it."""
+        self.propose([replace(request, budget=1) for request in requests])
 
     def end(self, seq_ids: Sequence[str]) -> int:
         """Frees the state of these sequences; returns how many the drafter held."""

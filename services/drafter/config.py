@@ -7,7 +7,9 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from sssd.drafter import _core
+from sssd import _core
+from sssd.common.flags import add_flags, from_args, option
+from sssd.common.ports import DRAFTER_PORT
 
 ENV_PREFIX = "SSSD_DRAFTER_"
 
@@ -16,15 +18,17 @@ ENV_PREFIX = "SSSD_DRAFTER_"
 class DraftParams:
     """Algorithm constants (ALGORITHM.md); the defaults are the paper's."""
 
-    prefix_len: int = 4  # P: longest suffix of the sequence used as a lookup key
-    branch_len: int = 8  # input-trie window and longest datastore continuation, in tokens
-    max_continuations: int = 100  # datastore samples per prefix length, over all shards
-    min_tree_nodes: int = 50  # shorten the datastore prefix while its tree is smaller
-    datastore_discount: float = 1.0
-    input_discount: float = 0.6
-    datastore_child_discount: float = 1.0
-    input_child_discount_base: float = 0.6
-    input_child_discount_per_match: float = 0.1
+    prefix_len: int = option(4, "P: longest suffix of the sequence used as a lookup key")
+    branch_len: int = option(8, "input-trie window and longest datastore continuation, tokens")
+    max_continuations: int = option(100, "datastore samples per prefix length, over all shards")
+    min_tree_nodes: int = option(50, "shorten the datastore prefix while its tree is smaller")
+    datastore_discount: float = option(1.0, "first-level discount of datastore candidates")
+    input_discount: float = option(0.6, "first-level discount of input-trie candidates")
+    datastore_child_discount: float = option(1.0, "child discount of datastore candidates")
+    input_child_discount_base: float = option(
+        0.6, "child discount of input-trie candidates at match length 0")
+    input_child_discount_per_match: float = option(
+        0.1, "added to the input-trie child discount per matched token")
 
     def __post_init__(self) -> None:
         problem = self.to_core().validate()
@@ -42,24 +46,26 @@ class DraftParams:
 class DrafterConfig:
     """Everything the drafter service reads; invalid values raise ValueError here."""
 
-    # Directory holding manifest.json and the shard directories; None: input trie only.
-    datastore_dir: str | None = None
-    # Token ids must be < vocab_size (SmolLM2-135M: 49152). Shards of another size are refused.
-    vocab_size: int = 49152
-    # When set, shards built with another tokenizer are refused at load.
-    tokenizer_fingerprint: str | None = None
-    # Threads of the batch call, the caller included; 0 means one per CPU core.
-    num_threads: int = 0
-    max_batch_size: int = 256  # sequences per Propose call
-    max_budget: int = 256  # largest speculation budget (draft-tree nodes, root included)
-    max_sequences: int = 8192  # live sequence states; more is RESOURCE_EXHAUSTED
-    max_tokens_per_sequence: int = 1 << 20  # tokens a sequence may accumulate
-    poll_interval_s: float = 1.0  # how often the manifest is checked for a new version
-    verify_checksums: bool = True  # hash every shard file at load
-    host: str = "127.0.0.1"
-    port: int = 50061  # 0: the OS picks a free port
-    max_workers: int = 8  # gRPC server threads
-    grace_s: float = 5.0  # graceful-shutdown window on SIGTERM
+    datastore_dir: str | None = option(
+        None, "directory of manifest.json and the shards; unset: the input trie only")
+    vocab_size: int = option(
+        49152, "token ids must be below it (SmolLM2-135M: 49152); shards of another size are "
+        "refused")
+    tokenizer_fingerprint: str | None = option(
+        None, "when set, shards built with another tokenizer are refused at load")
+    num_threads: int = option(0, "threads of the batch call, the caller included; 0: one per "
+                              "CPU core")
+    max_batch_size: int = option(256, "sequences per Propose call")
+    max_budget: int = option(256, "largest speculation budget (draft-tree nodes, root included)")
+    max_sequences: int = option(8192, "live sequence states; more is RESOURCE_EXHAUSTED")
+    max_tokens_per_sequence: int = option(1 << 20, "tokens a sequence may accumulate")
+    poll_interval_s: float = option(1.0, "seconds between checks of the manifest for a new "
+                                    "version")
+    verify_checksums: bool = option(True, "hash every shard file at load")
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(DRAFTER_PORT, "port to bind; 0: the OS picks a free port")
+    max_workers: int = option(8, "gRPC server threads")
+    grace_s: float = option(5.0, "graceful-shutdown window on SIGTERM, seconds")
     params: DraftParams = field(default_factory=DraftParams)
 
     def __post_init__(self) -> None:
@@ -92,28 +98,11 @@ class DrafterConfig:
             description="SSSD drafter service (gRPC): draft trees from the input trie and the "
             "suffix-array datastore.",
         )
-        defaults = cls()
-        for f in dataclasses.fields(cls):
-            if f.name == "params":
-                continue
-            _add_flag(parser, f.name, getattr(defaults, f.name), f.type)
-        for f in dataclasses.fields(DraftParams):
-            _add_flag(parser, f.name, getattr(defaults.params, f.name), f.type)
-        args = vars(parser.parse_args(argv))
-        param_names = {f.name for f in dataclasses.fields(DraftParams)}
-        params = DraftParams(**{k: v for k, v in args.items() if k in param_names})
-        return cls(params=params, **{k: v for k, v in args.items() if k not in param_names})
-
-
-def _add_flag(parser: argparse.ArgumentParser, name: str, default: object, type_name: str) -> None:
-    env_name = ENV_PREFIX + name.upper()
-    env_value = os.environ.get(env_name)
-    flag = "--" + name.replace("_", "-")
-    if "bool" in str(type_name):
-        value = default if env_value is None else env_value.lower() in ("1", "true", "yes")
-        parser.add_argument(flag, default=value, action=argparse.BooleanOptionalAction,
-                            help=f"(env {env_name}; default {value})")
-        return
-    convert = float if "float" in str(type_name) else int if "int" in str(type_name) else str
-    value = default if env_value is None else convert(env_value)
-    parser.add_argument(flag, default=value, type=convert, help=f"(env {env_name}; default {value})")
+        add_flags(parser, cls, env_prefix=ENV_PREFIX)
+        add_flags(parser.add_argument_group("algorithm constants (ALGORITHM.md)"), DraftParams,
+                  env_prefix=ENV_PREFIX)
+        args = parser.parse_args(argv)
+        try:
+            return from_args(cls, args, params=from_args(DraftParams, args))
+        except ValueError as exc:
+            parser.error(str(exc))

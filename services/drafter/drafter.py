@@ -9,37 +9,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from sssd import _core
 from sssd.common.draft_tree import DraftTree
-from sssd.drafter import _core
+from sssd.common.drafting import CapacityError, DraftRequest, SequenceNotFound
 from sssd.drafter.config import DrafterConfig
-from sssd.drafter.datastore import DatastoreWatcher
-
-
-class SequenceNotFound(KeyError):
-    """Continuation for sequences the drafter holds no state for: re-send their full context."""
-
-    def __init__(self, seq_ids: list[str]) -> None:
-        super().__init__(seq_ids)
-        self.seq_ids = seq_ids
-
-    def __str__(self) -> str:
-        return f"unknown sequence ids (re-send the full context with is_start): {self.seq_ids}"
-
-
-class CapacityError(RuntimeError):
-    """The sequence table is full."""
-
-
-@dataclass(frozen=True)
-class DraftRequest:
-    seq_id: str  # caller's sequence id, unique among live sequences
-    token_ids: np.ndarray | Sequence[int]  # [num_new_tokens]; the full context when is_start
-    budget: int  # draft-tree nodes, root included (s_q); 1 means no speculation
-    is_start: bool = False  # token_ids is the whole context: (re)start the sequence
+from sssd.drafter.watcher import DatastoreWatcher
 
 
 @dataclass
@@ -49,10 +27,16 @@ class _Sequence:
 
 
 class Drafter:
-    """Implements the project's drafting interface: `propose(requests) -> list[DraftTree]`."""
+    """The in-process SSSD `Proposer` (sssd.common.drafting). Call `start()` first (or use it
+    as a context manager): it loads the datastore and watches its manifest.
+
+        with Drafter(DrafterConfig(datastore_dir="var/ds", vocab_size=49152)) as drafter:
+            trees = drafter.propose([DraftRequest("seq-1", prompt_ids, 8, is_start=True)])
+    """
 
     def __init__(self, config: DrafterConfig) -> None:
         self.config = config
+        self._is_started = False
         self._core = _core.Drafter(config.params.to_core(), config.resolved_num_threads)
         self._sequences: dict[str, _Sequence] = {}
         self._lock = threading.Lock()
@@ -67,14 +51,22 @@ class Drafter:
                 poll_interval_s=config.poll_interval_s,
             )
 
-    def start(self) -> None:
+    def start(self) -> "Drafter":
         """Loads the datastore and starts watching its manifest."""
         if self.watcher is not None:
             self.watcher.start()
+        self._is_started = True
+        return self
 
     def close(self) -> None:
         if self.watcher is not None:
             self.watcher.close()
+
+    def __enter__(self) -> "Drafter":
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def num_sequences(self) -> int:
@@ -85,7 +77,12 @@ class Drafter:
 
         Raises ValueError for malformed input, SequenceNotFound for continuations of unknown
         sequences, CapacityError when too many sequences are live; nothing changes on error.
+        RuntimeError before `start()`: without it the datastore was never loaded and every
+        tree would silently come from the input trie alone.
         """
+        if not self._is_started:
+            raise RuntimeError("Drafter.start() was not called: the datastore is not loaded "
+                               "yet (call start(), or use the drafter as a context manager)")
         new_tokens, cu_num_new_tokens, budgets = self._validate(requests)
         offsets = cu_num_new_tokens.tolist()
         num_new_tokens = [end - begin for begin, end in zip(offsets[:-1], offsets[1:])]
@@ -133,6 +130,10 @@ class Drafter:
             DraftTree(token_ids[begin:end], parents[begin:end], probs[begin:end])
             for begin, end in zip(cu_num_nodes[:-1].tolist(), cu_num_nodes[1:].tolist())
         ]
+
+    def append(self, requests: Sequence[DraftRequest]) -> None:
+        """Appends the requests' tokens without drafting (a budget-1 step: root-only trees)."""
+        self.propose([replace(request, budget=1) for request in requests])
 
     def _validate(
         self, requests: Sequence[DraftRequest]

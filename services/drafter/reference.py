@@ -2,7 +2,7 @@
 
 This module follows services/drafter/ALGORITHM.md line by line and favours being obviously right
 over being fast: the suffix array is a plain sort, the range lookup a bisect, the queue a heapq.
-Property tests compare the C++ core (`sssd.drafter._core`) with it node for node, so every
+Property tests compare the C++ core (`sssd._core`) with it node for node, so every
 floating-point product is written in the order that ALGORITHM.md prescribes.
 """
 

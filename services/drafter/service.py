@@ -6,7 +6,6 @@ exceptions into gRPC status codes; all validation and all state live in `Drafter
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -21,36 +20,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sssd.common.draft_tree import DraftTree
+from sssd.common.drafting import CapacityError, DraftRequest, SequenceNotFound
 from sssd.drafter.config import DrafterConfig
-from sssd.drafter.drafter import CapacityError, Drafter, DraftRequest, SequenceNotFound
+from sssd.drafter.drafter import Drafter
+from sssd.drafter.status import unknown_ids_details
 from sssd.v1 import drafter_pb2, drafter_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name  # "sssd.v1.Drafter"
-# NOT_FOUND details are this prefix followed by a JSON array of every unknown id (drafter.proto).
-UNKNOWN_IDS_PREFIX = "unknown seq_ids "
 _MAX_MESSAGE_BYTES = 2**31 - 1
 
 T = TypeVar("T")
-
-
-def unknown_ids_details(seq_ids: Sequence[str]) -> str:
-    return (
-        f"{UNKNOWN_IDS_PREFIX}{json.dumps(list(seq_ids))}: never started, ended or evicted; "
-        "re-send them with is_start=true and the full context"
-    )
-
-
-def parse_unknown_ids(details: str) -> list[str]:
-    """Inverse of `unknown_ids_details`; [] if `details` does not have that form."""
-    if not details.startswith(UNKNOWN_IDS_PREFIX):
-        return []
-    try:
-        ids, _ = json.JSONDecoder().raw_decode(details, len(UNKNOWN_IDS_PREFIX))
-    except json.JSONDecodeError:
-        return []
-    return [str(seq_id) for seq_id in ids] if isinstance(ids, list) else []
 
 
 def _int32_array(values: Sequence[int]) -> np.ndarray:

@@ -34,9 +34,11 @@ from pathlib import Path
 
 import numpy as np
 
-from sssd.drafter.build import DEFAULT_SHARD_TOKENS, next_shard_index, shard_name
-from sssd.drafter.manifest import EMPTY_MANIFEST, Manifest, read_manifest, write_manifest
-from sssd.drafter.shard import SEPARATOR, make_stream, read_meta, write_shard
+from sssd.common.flags import option
+from sssd.common.ports import REDIS_PORT
+from sssd.datastore.build import DEFAULT_SHARD_TOKENS, next_shard_index, shard_name
+from sssd.datastore.manifest import EMPTY_MANIFEST, Manifest, read_manifest, write_manifest
+from sssd.datastore.shard import SEPARATOR, make_stream, read_meta, write_shard
 from sssd.indexer.conversations import (
     DEAD_LETTER_STREAM,
     STREAM,
@@ -57,18 +59,20 @@ class SimulatedCrash(RuntimeError):
 
 @dataclass(frozen=True)
 class IndexerConfig:
-    datastore_dir: str
-    vocab_size: int
-    tokenizer_fingerprint: str
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    stream: str = STREAM
+    datastore_dir: str  # the live datastore: manifest.json and the shard directories
+    vocab_size: int  # token ids must be below it
+    tokenizer_fingerprint: str  # entries from another tokenizer are dead-lettered
+    redis_url: str = option(f"redis://127.0.0.1:{REDIS_PORT}/0",
+                            "the Redis of the conversation stream")
+    stream: str = option(STREAM, "the conversation stream")
     dead_letter_stream: str = DEAD_LETTER_STREAM
     group: str = "sssd-indexer"
     consumer: str = "indexer-0"
-    shard_tokens: int = DEFAULT_SHARD_TOKENS  # the paper's 512M tokens per shard
-    max_shards: int = 8
-    build_tokens: int = 1_000_000  # build once this many tokens are buffered ...
-    build_interval_s: float = 60.0  # ... or once the oldest buffered entry is this old
+    shard_tokens: int = option(DEFAULT_SHARD_TOKENS, "tokens per shard (the paper's 512M)")
+    max_shards: int = option(8, "active shards; beyond it the oldest leave the manifest")
+    build_tokens: int = option(1_000_000, "build once this many new tokens are buffered ...")
+    build_interval_s: float = option(60.0, "... or once the oldest buffered conversation is "
+                                     "this old")
     read_count: int = 512  # entries per XREADGROUP
     block_ms: int = 1000
 
@@ -317,18 +321,3 @@ def _split(stream: np.ndarray, shard_tokens: int):
             end = limit - 1
             yield np.append(stream[start:end], SEPARATOR).astype(np.uint32)
         start = end
-
-
-def read_documents(datastore_dir: str | Path) -> list[list[int]]:
-    """Every document of the manifest's shards, oldest shard first (tests, tools)."""
-    directory = Path(datastore_dir)
-    manifest = read_manifest(directory) or EMPTY_MANIFEST
-    documents = []
-    for name in manifest.shards:
-        stream = np.fromfile(directory / name / "tokens.u32", dtype="<u4")
-        ends = np.flatnonzero(stream == SEPARATOR)
-        start = 0
-        for end in ends:
-            documents.append(stream[start:end].astype(np.int64).tolist())
-            start = end + 1
-    return documents

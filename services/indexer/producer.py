@@ -25,6 +25,17 @@ from sssd.indexer.conversations import STREAM, Conversation
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class PublishConfig:
+    """Where decode workers publish completed conversations (DESIGN.md section 8)."""
+
+    redis_url: str
+    spool_dir: str  # per worker: a subdirectory named after the worker is used
+    stream: str = STREAM
+    maxlen: int = 1_000_000  # approximate trimming of the stream
+    spool_max_entries: int = 100_000
+
+
 @dataclass
 class PublisherStats:
     published: int = 0  # entries added to the stream

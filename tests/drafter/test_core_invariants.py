@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sssd.drafter import _core
+from sssd import _core
 from sssd.drafter import reference
-
 
 
 def int32(values) -> np.ndarray:

@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sssd.drafter import _core
+from sssd import _core
 from sssd.drafter import reference
 
 PROPERTY = settings(max_examples=150, deadline=None, database=None,

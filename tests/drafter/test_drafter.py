@@ -5,13 +5,14 @@ import threading
 import numpy as np
 import pytest
 
+from sssd import _core
 from sssd.common.draft_tree import DraftTree
-from sssd.drafter import _core
-from sssd.drafter.build import build_datastore
-from sssd.drafter.config import DraftParams, DrafterConfig
-from sssd.drafter.drafter import CapacityError, Drafter, DraftRequest, SequenceNotFound
-from sssd.drafter.manifest import read_manifest, write_manifest
-from sssd.drafter.shard import make_stream, write_shard
+from sssd.common.drafting import CapacityError, DraftRequest, SequenceNotFound
+from sssd.datastore.build import build_datastore
+from sssd.datastore.manifest import read_manifest, write_manifest
+from sssd.datastore.shard import make_stream, write_shard
+from sssd.drafter.config import DrafterConfig, DraftParams
+from sssd.drafter.drafter import Drafter
 
 VOCAB = 100
 FINGERPRINT = "test-tokenizer"
@@ -146,7 +147,8 @@ def test_new_manifest_swaps_in_under_concurrent_requests(drafter, datastore_dir)
     for t in threads:
         t.start()
     old_version = drafter.info()["manifest_version"]
-    build_datastore(datastore_dir, [phrase] * 5, VOCAB, FINGERPRINT, shard_tokens=4000)
+    build_datastore(datastore_dir, [phrase] * 5, VOCAB, FINGERPRINT, shard_tokens=4000,
+                    append=True)
     for _ in range(200):
         if drafter.info()["manifest_version"] > old_version:
             break

@@ -19,13 +19,15 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from sssd import _core
 from sssd.common.draft_tree import DraftTree
-from sssd.drafter import _core
-from sssd.drafter.build import build_datastore
+from sssd.common.drafting import CapacityError, DraftRequest, SequenceNotFound
+from sssd.datastore.build import build_datastore
 from sssd.drafter.client import RemoteDrafter
 from sssd.drafter.config import DrafterConfig
-from sssd.drafter.drafter import CapacityError, Drafter, DraftRequest, SequenceNotFound
-from sssd.drafter.service import create_server, parse_unknown_ids
+from sssd.drafter.drafter import Drafter
+from sssd.drafter.service import create_server
+from sssd.drafter.status import parse_unknown_ids
 from sssd.v1 import drafter_pb2, drafter_pb2_grpc
 
 VOCAB = 100

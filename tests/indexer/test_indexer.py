@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 import redis
 
+from sssd.common.drafting import DraftRequest
+from sssd.datastore.build import read_documents
+from sssd.datastore.manifest import read_manifest
 from sssd.drafter.config import DrafterConfig
-from sssd.drafter.drafter import DraftRequest, Drafter
-from sssd.drafter.manifest import read_manifest
+from sssd.drafter.drafter import Drafter
 from sssd.indexer.conversations import Conversation
-from sssd.indexer.indexer import Indexer, IndexerConfig, SimulatedCrash, read_documents
+from sssd.indexer.indexer import Indexer, IndexerConfig, SimulatedCrash
 from sssd.indexer.producer import ConversationPublisher
 from sssd.indexer.redis_server import RedisServer
 

@@ -6,14 +6,15 @@ import time
 
 import pytest
 
+from sssd.client import GenerationClient, RetryPolicy
 from sssd.common.corpus import prompt_token_ids
-from sssd.drafter.drafter import DraftRequest
-from sssd.indexer.indexer import Indexer, IndexerConfig, read_documents
+from sssd.common.drafting import DraftRequest
+from sssd.datastore.build import read_documents
+from sssd.indexer.indexer import Indexer, IndexerConfig
+from sssd.indexer.producer import PublishConfig
 from sssd.indexer.redis_server import RedisServer
-from sssd.indexer.sink import PublishConfig
-from sssd.verifier.client import GenerationClient, RetryPolicy
-from sssd.verifier.config import EngineConfig
-from sssd.verifier.frontend import FrontendConfig, start_frontend
+from sssd.verifier.engine.config import EngineConfig
+from sssd.verifier.serving.frontend import FrontendConfig, start_frontend
 
 
 def test_api_conversations_become_drafts(tmp_path, target_model_fp32):
@@ -36,7 +37,7 @@ def test_api_conversations_become_drafts(tmp_path, target_model_fp32):
         assert result.totals.completion_tokens == 32 and len(prompt_ids) == prompt
         context = prompt_ids + result.token_ids[:8]
         expected = result.token_ids[8:12]
-        drafter = frontend.loop.engine.proposer  # the in-process drafter, polling the manifest
+        drafter = frontend.backend.engine.proposer  # the in-process drafter, polling the manifest
 
         def draft():
             tree, = drafter.propose([DraftRequest("probe", context, 16, is_start=True)])
@@ -84,7 +85,7 @@ def test_redis_down_while_requests_run_loses_no_request_and_no_conversation(
             redis_server.start()  # same port and data directory
             answers.append(client.generate(prompts[3], max_tokens=6))
         assert all(a.totals.completion_tokens == 6 for a in answers)  # no request failed
-        (sink,) = frontend.loop.observer.observers  # the loop's only observer here
+        (sink,) = frontend.backend.observer.observers  # the loop's only observer here
         assert sink.publisher.flush(20)
         import numpy as np
         import redis
@@ -102,8 +103,8 @@ def test_offline_build_from_a_corpus_file(tmp_path, tokenizer):
     import json
 
     from sssd.common.tokenizer import tokenizer_fingerprint
-    from sssd.drafter.shard import read_meta
-    from sssd.drafter.manifest import read_manifest
+    from sssd.datastore.manifest import read_manifest
+    from sssd.datastore.shard import read_meta
     from sssd.indexer.service import main
 
     corpus = tmp_path / "corpus.jsonl"

@@ -2,8 +2,8 @@
 
 import pytest
 
-from sssd.verifier.budget_policy import FixedBudget, MeasuredBudget, RuleBudget
-from sssd.verifier.config import EngineConfig
+from sssd.verifier.engine.budget_policy import FixedBudget, MeasuredBudget, RuleBudget
+from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.factory import build_engine
 
 

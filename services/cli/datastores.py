@@ -1,0 +1,80 @@
+"""The datastores the command-line apps start from, found or built on first use.
+
+    1. an explicit directory (it must hold a manifest listing shards);
+    2. else the largest `var/self-outputs/datastore-N` (the model's own answers, made with
+       `sssd-self-outputs`);
+    3. else ShareGPT records [0, N) tokenized with the model's chat template into
+       `$SSSD_DATA_DIR` (default var/demo-datastore), built once (about a minute).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from sssd.datastore.manifest import read_manifest
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DATA_DIR = "var/demo-datastore"
+SELF_OUTPUTS_DIR = Path("var/self-outputs")
+DEFAULT_SHAREGPT_RECORDS = 12_000
+
+
+class NoDatastore(ValueError):
+    """A directory that was named as a datastore holds none."""
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("SSSD_DATA_DIR") or DEFAULT_DATA_DIR)
+
+
+def has_shards(directory: Path) -> bool:
+    manifest = read_manifest(directory) if directory.is_dir() else None
+    return bool(manifest is not None and manifest.shards)
+
+
+def ensure_sharegpt_datastore(root: Path, tokenizer, num_records: int) -> Path:
+    """The datastore of ShareGPT records [0, num_records), built on first use."""
+    from sssd.common.corpus import iter_conversation_token_ids, iter_sharegpt
+    from sssd.common.tokenizer import tokenizer_fingerprint, vocab_size
+    from sssd.datastore.build import build_datastore
+
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    directory = root / f"sharegpt-{num_records}-{fingerprint[:12]}"
+    if has_shards(directory):
+        logger.info("reusing the datastore in %s", directory)
+        return directory
+    if directory.exists():  # an interrupted build: no manifest yet
+        shutil.rmtree(directory)
+    start = time.perf_counter()
+    records = tqdm(iter_sharegpt(0, num_records), total=num_records, desc="tokenizing ShareGPT",
+                   unit="conv")
+    documents = iter_conversation_token_ids(tokenizer, records)
+    manifest = build_datastore(directory, documents, vocab_size(tokenizer), fingerprint)
+    logger.info("built %s (%d shards) in %.1f s", directory, len(manifest.shards),
+                time.perf_counter() - start)
+    return directory
+
+
+def largest_self_output_datastore() -> Path | None:
+    built = [p for p in SELF_OUTPUTS_DIR.glob("datastore-*")
+             if p.name.split("-")[1].isdigit() and has_shards(p)]
+    return max(built, key=lambda p: int(p.name.split("-")[1])) if built else None
+
+
+def pick_datastore(explicit: Path | None, tokenizer,
+                   records: int = DEFAULT_SHAREGPT_RECORDS) -> Path:
+    """The datastore to serve (see the module docstring); NoDatastore for an explicit
+    directory without one."""
+    if explicit is not None:
+        if not has_shards(explicit):
+            raise NoDatastore(f"{explicit} holds no datastore (no manifest.json listing shards)")
+        return explicit
+    return largest_self_output_datastore() or \
+        ensure_sharegpt_datastore(default_data_dir(), tokenizer, records)

@@ -1,0 +1,167 @@
+"""`sssd`: the command line of sssd-serve.
+
+    sssd up                         the whole local stack: drafter service, Ray cluster with
+                                    prefill and decode workers, the gRPC API; answers a check
+                                    prompt, then serves until Ctrl-C (see `sssd up --help`)
+    sssd serve                      the generation API on 127.0.0.1:50061 (single process by
+                                    default; --ray: prefill/decode workers on Ray)
+    sssd generate "prompt"          streams an answer from a running server
+    sssd chat                       multi-turn chat with a running server
+
+Every Generate field has an option: --max-tokens, --temperature, --top-p, --top-k, --seed,
+--stop (repeatable), --speculation auto|off|sssd. --stats prints the totals after the answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from sssd.common.ports import GENERATE_PORT
+
+DEFAULT_TARGET = f"127.0.0.1:{GENERATE_PORT}"
+
+
+def add_request_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=DEFAULT_TARGET, help=f"server (default {DEFAULT_TARGET})")
+    parser.add_argument("--max-tokens", type=int, default=0, help="0: the server default")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
+    parser.add_argument("--top-k", type=int, default=0, help="0: off")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--speculation", default="auto", choices=("auto", "off", "sssd"))
+    parser.add_argument("--timeout", type=float, default=None, help="deadline per call, seconds")
+    parser.add_argument("--stats", action="store_true", help="print the totals afterwards")
+
+
+def request_options(args: argparse.Namespace) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed, stop=args.stop, speculation=args.speculation)
+
+
+def print_stream(client, prompt, args) -> str:
+    text, totals = "", None
+    for chunk in client.stream(prompt, **request_options(args)):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        text += chunk.text
+        totals = chunk.totals or totals
+    print()
+    if args.stats and totals is not None:
+        print(f"[{totals.completion_tokens} tokens, {totals.finish_reason}; first token after "
+              f"{totals.time_to_first_token_s:.2f} s, {totals.tokens_per_second:.1f} tokens/s, "
+              f"{totals.mean_accepted_length:.2f} tokens per step]", file=sys.stderr)
+    return text
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from sssd.client import GenerationClient
+
+    with GenerationClient(args.target, timeout_s=args.timeout) as client:
+        print_stream(client, args.prompt, args)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from sssd.client import GenerationClient
+
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("chat: an empty line or Ctrl-D ends it", file=sys.stderr)
+    with GenerationClient(args.target, timeout_s=args.timeout) as client:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                return 0
+            if not line.strip():
+                return 0
+            messages.append({"role": "user", "content": line})
+            answer = print_stream(client, messages, args)
+            messages.append({"role": "assistant", "content": answer})
+
+
+# `sssd serve` takes every Generate API and engine setting as a flag; its own defaults:
+SERVE_ENGINE_DEFAULTS = {"budget_policy": "measured"}
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from sssd.common.flags import add_flags
+    from sssd.verifier.engine.config import EngineConfig
+    from sssd.verifier.serving.config import FrontendConfig, RayConfig
+
+    add_flags(parser.add_argument_group("the Generate API"), FrontendConfig)
+    add_flags(parser.add_argument_group("engine"), EngineConfig, defaults=SERVE_ENGINE_DEFAULTS)
+    ray = parser.add_argument_group("Ray (with --ray)")
+    ray.add_argument("--ray", action="store_true",
+                     help="prefill and decode workers as Ray actors (else one process)")
+    add_flags(ray, RayConfig)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from sssd.common.flags import from_args
+    from sssd.verifier.engine.config import EngineConfig
+    from sssd.verifier.serving.config import FrontendConfig, RayConfig
+    from sssd.verifier.serving.frontend import serve
+
+    try:
+        ray = from_args(RayConfig, args, host=args.host, token_file="var/ray/auth_token") \
+            if args.ray else None
+        config = from_args(FrontendConfig, args, engine=from_args(EngineConfig, args),
+                           max_workers=args.max_requests + 16, ray=ray)
+    except ValueError as exc:
+        print(f"sssd serve: error: {exc}", file=sys.stderr)
+        return 2
+    serve(config)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from sssd.cli.up import run
+
+    return run(args)
+
+
+def up_doc() -> str:
+    from sssd.cli import up
+
+    return (up.__doc__ or "").split("\n\n")[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sssd", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="stream an answer to one prompt")
+    gen.add_argument("prompt")
+    add_request_options(gen)
+    chat = commands.add_parser("chat", help="multi-turn chat")
+    chat.add_argument("--system", default=None, help="system message")
+    add_request_options(chat)
+    add_serve_arguments(commands.add_parser(
+        "serve", help="run the generation API (single process, or --ray)"))
+    from sssd.cli.up import add_arguments
+
+    add_arguments(commands.add_parser("up", help="start the whole stack locally and serve",
+                                      description=up_doc()))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.command == "serve" else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
+               "up": cmd_up}[args.command]
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # grpc.RpcError and friends: one line, not a traceback
+        code = getattr(exc, "code", None)
+        details = getattr(exc, "details", None)
+        if callable(code) and callable(details):
+            print(f"sssd: {code().name}: {details()}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

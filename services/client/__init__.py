@@ -1,0 +1,204 @@
+"""sssd.client: the Python client of the Generate API (proto/sssd/v1/generate.proto), sync and
+asyncio.
+
+    with GenerationClient("127.0.0.1:50061") as client:
+        for chunk in client.stream("Why is the sky blue?", max_tokens=64):
+            print(chunk.text, end="", flush=True)
+        result = client.generate("Name three primes.")  # the whole answer at once
+
+A call that fails with UNAVAILABLE before the first answer message (server starting, draining,
+restarting) is retried with exponential backoff; once tokens have arrived a failure is raised,
+never retried, so an answer is never duplicated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from sssd.common.totals import Totals
+from sssd.v1 import generate_pb2, generate_pb2_grpc
+
+SPECULATION = {"auto": generate_pb2.SPECULATION_MODE_AUTO,
+               "off": generate_pb2.SPECULATION_MODE_OFF,
+               "sssd": generate_pb2.SPECULATION_MODE_SSSD}
+
+Prompt = str | Sequence[dict[str, str]] | Sequence[int]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed message: a text delta, its token ids and the step's statistics."""
+
+    text: str
+    token_ids: list[int]
+    accepted_tokens: int | None  # draft tokens accepted in the step (None: prefill token)
+    budget: int | None
+    draft_ms: float | None
+    verify_ms: float | None
+    totals: Totals | None  # only on the last chunk
+
+
+@dataclass
+class Result:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    totals: Totals | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        self.text += chunk.text
+        self.token_ids += chunk.token_ids
+        self.totals = chunk.totals or self.totals
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 5  # including the first
+    initial_backoff_s: float = 0.2
+    max_backoff_s: float = 5.0
+
+    def delays(self) -> Iterator[float]:
+        backoff = self.initial_backoff_s
+        for _ in range(self.attempts - 1):
+            yield backoff * (0.5 + random.random() / 2)  # jitter: retries do not synchronize
+            backoff = min(self.max_backoff_s, backoff * 2)
+
+
+def build_request(prompt: Prompt, max_tokens: int = 0, temperature: float = 0.0,
+                  top_p: float | None = None, top_k: int = 0, seed: int | None = None,
+                  stop: Sequence[str] = (), speculation: str = "auto"
+                  ) -> generate_pb2.GenerateRequest:
+    """A text prompt, chat messages ({"role", "content"} dicts) or token ids."""
+    if speculation not in SPECULATION:
+        raise ValueError(f"speculation must be one of {', '.join(SPECULATION)}, got "
+                         f"{speculation!r}")
+    request = generate_pb2.GenerateRequest(
+        max_tokens=max_tokens, temperature=temperature, top_k=top_k, stop=list(stop),
+        speculation=SPECULATION[speculation])
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif prompt and all(isinstance(item, dict) for item in prompt):
+        request.chat.messages.extend(generate_pb2.ChatMessage(role=m["role"],
+                                                              content=m["content"])
+                                     for m in prompt)
+    elif all(isinstance(item, int) for item in prompt):
+        request.tokens.token_ids.extend(prompt)
+    else:
+        raise TypeError("prompt must be a string, a list of chat messages or a list of token ids")
+    if top_p is not None:
+        request.top_p = top_p
+    if seed is not None:
+        request.seed = seed
+    return request
+
+
+def to_chunk(message: generate_pb2.GenerateResponse) -> Chunk:
+    step = message.step if message.HasField("step") else None
+    totals = None
+    if message.HasField("totals"):
+        t = message.totals
+        totals = Totals(t.prompt_tokens, t.completion_tokens, t.time_to_first_token_s,
+                        t.total_s, t.tokens_per_second, t.mean_accepted_length, t.finish_reason)
+    return Chunk(message.text, list(message.token_ids),
+                 step.accepted_tokens if step else None, step.budget if step else None,
+                 step.draft_ms if step else None, step.verify_ms if step else None, totals)
+
+
+def retry_delay(err: grpc.RpcError, received: bool, delays: Iterator[float]) -> float | None:
+    """Seconds to wait before calling again, or None to raise `err`: only UNAVAILABLE before
+    the first answer message is retried, so an answer is never duplicated."""
+    if received or err.code() != grpc.StatusCode.UNAVAILABLE:
+        return None
+    return next(delays, None)
+
+
+class GenerationClient:
+    def __init__(self, target: str, retry: RetryPolicy = RetryPolicy(),
+                 timeout_s: float | None = None) -> None:
+        """`timeout_s`: deadline of each call (None: none)."""
+        self.target, self.retry, self.timeout_s = target, retry, timeout_s
+        self._channel = grpc.insecure_channel(target)
+        self._stub = generate_pb2_grpc.GenerationStub(self._channel)
+
+    def stream(self, prompt: Prompt, **options) -> Iterator[Chunk]:
+        """Yields the answer chunk by chunk; see `build_request` for the options."""
+        request = build_request(prompt, **options)
+        delays = self.retry.delays()
+        while True:
+            call = self._stub.Generate(request, timeout=self.timeout_s)
+            received = False
+            try:
+                for message in call:
+                    received = True
+                    yield to_chunk(message)
+                return
+            except grpc.RpcError as err:
+                delay = retry_delay(err, received, delays)
+                if delay is None:
+                    raise
+                time.sleep(delay)
+            finally:
+                call.cancel()  # a consumer that stops early frees the sequence on the server
+
+    def generate(self, prompt: Prompt, **options) -> Result:
+        """The whole answer."""
+        result = Result()
+        for chunk in self.stream(prompt, **options):
+            result.add(chunk)
+        return result
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "GenerationClient":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncGenerationClient:
+    def __init__(self, target: str, retry: RetryPolicy = RetryPolicy(),
+                 timeout_s: float | None = None) -> None:
+        self.target, self.retry, self.timeout_s = target, retry, timeout_s
+        self._channel = grpc.aio.insecure_channel(target)
+        self._stub = generate_pb2_grpc.GenerationStub(self._channel)
+
+    async def stream(self, prompt: Prompt, **options) -> AsyncIterator[Chunk]:
+        request = build_request(prompt, **options)
+        delays = self.retry.delays()
+        while True:
+            call = self._stub.Generate(request, timeout=self.timeout_s)
+            received = False
+            try:
+                async for message in call:
+                    received = True
+                    yield to_chunk(message)
+                return
+            except grpc.RpcError as err:
+                delay = retry_delay(err, received, delays)
+                if delay is None:
+                    raise
+                await asyncio.sleep(delay)
+            finally:
+                call.cancel()
+
+    async def generate(self, prompt: Prompt, **options) -> Result:
+        result = Result()
+        async for chunk in self.stream(prompt, **options):
+            result.add(chunk)
+        return result
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncGenerationClient":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

@@ -1,0 +1,77 @@
+"""The drafting interface: how every drafting source meets the verifier (DESIGN.md 2-3).
+
+In-process SSSD (`sssd.drafter.drafter.Drafter`), the remote drafter service
+(`sssd.drafter.client.RemoteDrafter`) and prompt lookup (a Drafter without a datastore)
+implement `Proposer`; the speculator and the vLLM adapter are to implement it too. The engine
+makes one `propose` call per decoding step for its whole batch and knows nothing else about the
+source.
+
+This module imports neither grpc nor the C++ core, so code that only drafts through a remote
+service loads neither.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from sssd.common.draft_tree import DraftTree
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One sequence of a batched call."""
+
+    seq_id: str  # the caller's sequence id, unique among live sequences
+    token_ids: np.ndarray | Sequence[int]  # [num_new_tokens]; the full context when is_start
+    budget: int  # draft-tree nodes, root included (s_q); 1 means no speculation
+    is_start: bool = False  # token_ids is the whole context: (re)start the sequence
+
+
+class SequenceNotFound(KeyError):
+    """Continuation for sequences the proposer holds no state for: re-send their full context
+    with `is_start` (the proposer restarted, evicted them, or another replica held them)."""
+
+    def __init__(self, seq_ids: list[str]) -> None:
+        super().__init__(seq_ids)
+        self.seq_ids = seq_ids
+
+    def __str__(self) -> str:
+        return f"unknown sequence ids (re-send the full context with is_start): {self.seq_ids}"
+
+
+class CapacityError(RuntimeError):
+    """The proposer's table of live sequences is full: end finished sequences first."""
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """A drafting source. Every method takes or returns whole batches.
+
+    Errors: ValueError for a malformed request, SequenceNotFound for continuations of unknown
+    sequences (re-send with is_start), CapacityError when too many sequences are live; a call
+    that raises changes no state. Remote implementations add TimeoutError and ConnectionError;
+    the engine then decodes that step without drafts.
+    """
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
+        """Appends each request's tokens to its sequence and drafts one tree per request, in
+        order; a tree has at most `budget` nodes and its root is the sequence's last token."""
+        ...
+
+    def append(self, requests: Sequence[DraftRequest]) -> None:
+        """Appends each request's tokens to its sequence without drafting (budgets ignored):
+        for callers that must keep the proposer's state current on steps that do not draft."""
+        ...
+
+    def end(self, seq_ids: Sequence[str]) -> int:
+        """Frees the state of finished sequences; unknown ids are ignored. Returns how many
+        the proposer held."""
+        ...
+
+    def close(self) -> None:
+        """Releases the proposer's resources (threads, connections); idempotent."""
+        ...

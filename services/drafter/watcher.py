@@ -1,0 +1,143 @@
+"""The live set of shards a drafter serves, and the watcher that swaps in new manifests.
+
+Requests read `DatastoreWatcher.current` once per call; a swap replaces that reference, so a call
+in flight keeps the shards it started with (their memory maps stay open until it returns), and
+no request ever waits for a load.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from sssd import _core
+from sssd.datastore.manifest import Manifest, ManifestError, read_manifest
+from sssd.datastore.shard import LoadedShard, ShardError, load_shard
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedDatastore:
+    manifest: Manifest
+    shards: tuple[LoadedShard, ...]
+    core: _core.Datastore
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(shard.meta.num_tokens for shard in self.shards)
+
+
+def load_datastore(
+    datastore_dir: str | os.PathLike,
+    manifest: Manifest,
+    vocab_size: int,
+    max_continuations: int,
+    tokenizer_fingerprint: str | None = None,
+    verify_checksums: bool = True,
+    reuse: dict[str, LoadedShard] | None = None,
+) -> LoadedDatastore:
+    """Loads every shard the manifest lists; raises ShardError if any one is unusable.
+
+    Shards are immutable, so those already mapped (`reuse`, by name) are not verified again.
+    """
+    reuse = reuse or {}
+    shards = []
+    for name in manifest.shards:
+        if name in reuse:
+            shards.append(reuse[name])
+        else:
+            shards.append(
+                load_shard(Path(datastore_dir) / name, vocab_size, tokenizer_fingerprint,
+                           verify_checksums)
+            )
+    core = _core.Datastore([s.core_view() for s in shards], vocab_size, max_continuations)
+    return LoadedDatastore(manifest, tuple(shards), core)
+
+
+class DatastoreWatcher:
+    """Keeps the newest usable manifest loaded; a bad new version leaves the old one serving."""
+
+    def __init__(
+        self,
+        datastore_dir: str | os.PathLike,
+        vocab_size: int,
+        max_continuations: int,
+        tokenizer_fingerprint: str | None = None,
+        verify_checksums: bool = True,
+        poll_interval_s: float = 1.0,
+    ) -> None:
+        self.datastore_dir = Path(datastore_dir)
+        self._vocab_size = vocab_size
+        self._max_continuations = max_continuations
+        self._fingerprint = tokenizer_fingerprint
+        self._verify = verify_checksums
+        self._poll_interval_s = poll_interval_s
+        self.current: LoadedDatastore | None = None
+        self.last_error: str | None = None
+        self._rejected_version: int | None = None  # not retried until the manifest changes
+        self._refresh_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def refresh(self) -> bool:
+        """Loads the manifest if it is newer than the one serving. True if a swap happened."""
+        with self._refresh_lock:
+            try:
+                manifest = read_manifest(self.datastore_dir)
+            except (ManifestError, OSError) as exc:
+                self._reject(None, str(exc))
+                return False
+            current_version = self.current.manifest.version if self.current else -1
+            if manifest is None or manifest.version <= current_version:
+                return False
+            if manifest.version == self._rejected_version:
+                return False
+            reuse = {s.name: s for s in self.current.shards} if self.current else {}
+            try:
+                loaded = load_datastore(
+                    self.datastore_dir, manifest, self._vocab_size, self._max_continuations,
+                    self._fingerprint, self._verify, reuse,
+                )
+            except (ShardError, OSError, ValueError) as exc:
+                self._reject(manifest.version, str(exc))
+                return False
+            self.current = loaded
+            self.last_error = None
+            logger.info(
+                "serving datastore manifest v%d: %d shards, %d tokens",
+                manifest.version, len(loaded.shards), loaded.num_tokens,
+            )
+            return True
+
+    def _reject(self, version: int | None, reason: str) -> None:
+        if version is not None and version == self._rejected_version:
+            return
+        self._rejected_version = version
+        self.last_error = reason
+        serving = self.current.manifest.version if self.current else None
+        logger.error("refused datastore update (still serving manifest v%s): %s", serving, reason)
+
+    def start(self) -> None:
+        """Loads what is there now, then polls in a daemon thread."""
+        self.refresh()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._poll, name="datastore-watcher",
+                                            daemon=True)
+            self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self._poll_interval_s):
+            try:
+                self.refresh()
+            except Exception:  # the watcher must outlive any surprise; requests keep serving
+                logger.exception("datastore refresh failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

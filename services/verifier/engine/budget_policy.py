@@ -1,0 +1,206 @@
+"""Choosing the speculation budget s_q for the current batch size (DESIGN.md section 6).
+
+- `RuleBudget`: the paper's rule, s_q = I_knee / b, capped (seeds/000 Section 3.2).
+- `MeasuredBudget`: profiles the forward-pass time t(b, s_q) of the actual model on the actual
+  device, tracks the accepted tokens per step for each budget online, and picks the s_q that
+  maximizes E[emitted tokens | s_q] / t(b, s_q).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from sssd.common.budget import speculation_budget
+from sssd.common.draft_tree import DraftTree
+
+if TYPE_CHECKING:
+    from sssd.verifier.engine.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUDGETS = (1, 2, 4, 8, 16, 32)
+DEFAULT_BATCHES = (1, 2, 4, 8)
+PROFILE_CONTEXT = 256  # cached tokens per sequence while profiling the forward pass
+
+
+class BudgetPolicy(Protocol):
+    def budget(self, batch_size: int) -> int: ...
+
+    def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
+                verify_s: float) -> None:
+        """After a step at `budget`: per row, the tree nodes of its accepted path."""
+
+
+class FixedBudget:
+    """Always the same budget; 1 means plain autoregressive decoding."""
+
+    def __init__(self, budget: int) -> None:
+        self._budget = budget
+
+    def budget(self, batch_size: int) -> int:
+        return self._budget
+
+    def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
+                verify_s: float) -> None:
+        pass
+
+
+class RuleBudget:
+    def __init__(self, knee_intensity: float, max_budget: int) -> None:
+        self.knee_intensity = knee_intensity
+        self.max_budget = max_budget
+
+    def budget(self, batch_size: int) -> int:
+        return speculation_budget(batch_size, self.knee_intensity, self.max_budget)
+
+    def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
+                verify_s: float) -> None:
+        pass
+
+
+class ForwardProfile:
+    """t(b, s_q) in seconds on a grid; interpolated in b, looked up in s_q."""
+
+    def __init__(self, batches: Sequence[int], budgets: Sequence[int], seconds: np.ndarray) -> None:
+        self.batches = list(batches)
+        self.budgets = list(budgets)
+        self.seconds = np.asarray(seconds, dtype=np.float64)  # [num_batches, num_budgets]
+
+    def time(self, batch_size: int, budget_index: int) -> float:
+        return float(np.interp(batch_size, self.batches, self.seconds[:, budget_index]))
+
+    @classmethod
+    def measure(cls, forward: Callable[[int, int], float], batches: Sequence[int] = DEFAULT_BATCHES,
+                budgets: Sequence[int] = DEFAULT_BUDGETS, rounds: int = 5) -> "ForwardProfile":
+        """`forward(b, s)` runs one verification forward and returns its duration in seconds.
+
+        Every (b, s) is timed once per round, rounds one after another, and the median is kept:
+        a slow spell of a shared machine then spreads over all cells instead of spoiling some.
+        A larger budget never costs less (more rows through the same layers), so the medians are
+        made non-decreasing in s, which removes the remaining inversions from noise.
+        """
+        cells = [(i, j) for i in range(len(batches)) for j in range(len(budgets))]
+        for i, j in cells:
+            forward(batches[i], budgets[j])  # warm-up
+        samples = np.zeros((rounds, len(batches), len(budgets)))
+        for r in range(rounds):
+            for i, j in cells:
+                samples[r, i, j] = forward(batches[i], budgets[j])
+        seconds = np.maximum.accumulate(np.median(samples, axis=0), axis=1)
+        return cls(batches, budgets, seconds)
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump({"batches": self.batches, "budgets": self.budgets,
+                       "seconds": self.seconds.tolist(), "measured_at": time.time()}, f)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ForwardProfile":
+        with open(path) as f:
+            raw = json.load(f)
+        return cls(raw["batches"], raw["budgets"], np.asarray(raw["seconds"]))
+
+
+class MeasuredBudget:
+    """argmax over s_q of E[emitted tokens | s_q] / t(b, s_q), E learned online.
+
+    E[emitted | s_q] = 1 + E[accepted | s_q]. One verified tree of budget B also tells what every
+    smaller budget s would have accepted: the drafter inserts nodes best-first (ALGORITHM.md,
+    "Output"), so the tree of budget s is exactly the first s nodes of the tree of budget B, and
+    the accepted path cut at its first node with index >= s is what that tree would have kept
+    (node indices grow along a path, parents before children). So every step updates the
+    estimate of all budgets up to its own, with an exponential moving average per budget.
+
+    Step times come from the profile until the engine has run (b, s_q) itself; from then on the
+    verification times it observes (a moving average per (b, s_q)) replace the profile's, which
+    was measured on one synthetic context length.
+
+    Larger budgets than the one in use are learned by exploration: the first step runs at the
+    largest budget (measuring all of them at once), and every `explore_every`-th step runs at
+    the next larger budget than the best. Near-ties go to the smaller budget: it costs less
+    drafting and cache room for nothing.
+    """
+
+    def __init__(self, profile: ForwardProfile, max_budget: int, decay: float = 0.05,
+                 explore_every: int = 8, tie_tolerance: float = 0.03) -> None:
+        self.profile = profile
+        self.candidates = sorted(((j, s) for j, s in enumerate(profile.budgets) if s <= max_budget),
+                                 key=lambda candidate: candidate[1])  # ascending budgets
+        if not self.candidates:
+            raise ValueError("no profiled budget is <= max_budget")
+        if not 0 < decay <= 1 or explore_every < 2:
+            raise ValueError("need 0 < decay <= 1 and explore_every >= 2")
+        self.decay = decay
+        self.explore_every = explore_every
+        self.tie_tolerance = tie_tolerance
+        # Mean accepted draft tokens per row at each budget; None until first observed.
+        self.expected_accepted: dict[int, float | None] = {s: None for _, s in self.candidates}
+        self.observed_seconds: dict[tuple[int, int], float] = {}  # (b, s) -> moving average
+        self._num_calls = 0
+
+    def budget(self, batch_size: int) -> int:
+        self._num_calls += 1
+        unobserved = [s for _, s in self.candidates if self.expected_accepted[s] is None]
+        if unobserved:
+            return max(unobserved)  # one step there measures every smaller budget too
+
+        def rate(index: int, s: int) -> float:
+            seconds = self.observed_seconds.get((batch_size, s))
+            if seconds is None:
+                seconds = self.profile.time(batch_size, index)
+            return (1.0 + self.expected_accepted[s]) / seconds
+
+        rates = [rate(index, s) for index, s in self.candidates]
+        threshold = (1.0 - self.tie_tolerance) * max(rates)
+        best = next(i for i, r in enumerate(rates) if r >= threshold)  # smallest near-best
+        if self._num_calls % self.explore_every == 0 and best + 1 < len(self.candidates):
+            return self.candidates[best + 1][1]
+        return self.candidates[best][1]
+
+    def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
+                verify_s: float) -> None:
+        if not accepted_nodes:
+            return
+        key = (batch_size, budget)
+        old_seconds = self.observed_seconds.get(key)
+        self.observed_seconds[key] = verify_s if old_seconds is None \
+            else old_seconds + self.decay * (verify_s - old_seconds)
+        for _, s in self.candidates:
+            if s > budget:
+                break
+            mean = float(np.mean([sum(1 for node in path if node < s)
+                                  for path in accepted_nodes]))
+            old = self.expected_accepted[s]
+            self.expected_accepted[s] = mean if old is None else old + self.decay * (mean - old)
+
+
+def profiled_batches(max_batch_size: int) -> list[int]:
+    """The batch sizes a profile for `max_batch_size` KV slots measures."""
+    return [b for b in (1, 2, 4, 8, 16, 32) if b <= max_batch_size]
+
+
+def profile_forward(runner: "ModelRunner", max_batch_size: int) -> ForwardProfile:
+    """Times verification forwards of b sequences x s_q nodes on this model and device.
+
+    Fills slots [0, max_batch_size) with a synthetic context; nothing is committed, so the
+    runner is left as it was, apart from those slots' contents."""
+    context = max(1, min(PROFILE_CONTEXT, runner.max_len - max(DEFAULT_BUDGETS) - 1))
+    prompt = list(range(100, 100 + context))
+    for slot in range(max_batch_size):
+        runner.prefill(slot, prompt)
+
+    def forward(batch_size: int, budget: int) -> float:
+        tree = DraftTree(np.arange(200, 200 + budget, dtype=np.int32),
+                         np.arange(-1, budget - 1, dtype=np.int32))
+        start = time.perf_counter()
+        runner.verify([tree] * batch_size)  # nothing is committed: the cache stays as it was
+        return time.perf_counter() - start
+
+    return ForwardProfile.measure(forward, batches=profiled_batches(max_batch_size))

@@ -1,0 +1,61 @@
+"""Configuration of the verifier engine: one frozen object, built once at the entry point."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sssd.common.flags import option
+
+# ar: no speculation (the baseline); prompt_lookup: input trie only; sssd: trie + datastore.
+# sssd.verifier.proposers maps each mode to the proposer that drafts for it.
+MODES = ("ar", "prompt_lookup", "sssd")
+BUDGET_POLICIES = ("rule", "measured")
+DTYPES = ("bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = option(
+        None, "a .gguf file or Hugging Face model directory; unset: the default model "
+        "(SmolLM2-135M-Instruct)")
+    dtype: str = option("bfloat16", "weights and KV cache; bfloat16 halves the memory "
+                        "traffic of a decode step, float32 breaks argmax ties exactly (and on "
+                        "CPUs without bf16 instructions verifies draft trees far cheaper)",
+                        choices=DTYPES)
+    mode: str = option("sssd", "ar: no speculation; prompt_lookup: input trie only; sssd: "
+                       "input trie + datastore", choices=MODES)
+    max_batch_size: int = option(8, "running sequences (KV-cache slots)")
+    max_len: int = option(4096, "cache positions per sequence: prompt + output + one draft "
+                          "tree")
+    budget_policy: str = option(
+        "rule", "rule: s_q = knee_intensity / b (seeds/000 Section 3.2); measured: maximize "
+        "expected accepted tokens per second from a profile of the forward pass",
+        choices=BUDGET_POLICIES)
+    knee_intensity: float = option(
+        16.0, "I_knee of the rule, in tokens: where the forward pass stops being flat in "
+        "b * s_q (SmolLM2-135M on 2 CPU cores: about 16)")
+    max_budget: int = option(32, "largest draft tree per sequence, root included")
+    drafter_target: str | None = option(
+        None, "host:port of a drafter service; unset: the SSSD core runs in this process",
+        aliases=("--drafter",))
+    drafter_timeout_s: float = option(0.5, "past this a step decodes without speculation")
+    datastore_dir: str | None = option(
+        None, "datastore of the in-process drafter (mode sssd)", aliases=("--datastore",))
+    profile_path: str | None = option(
+        None, "saved forward-pass profile of the measured policy (made when missing)")
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"),
+            (self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}"),
+            (self.budget_policy in BUDGET_POLICIES,
+             f"budget_policy must be one of {BUDGET_POLICIES}, got {self.budget_policy!r}"),
+            (1 <= self.max_batch_size <= 1024, "max_batch_size must be in [1, 1024]"),
+            (self.max_len >= 16, "max_len must be >= 16"),
+            (self.knee_intensity > 0, "knee_intensity must be > 0"),
+            (1 <= self.max_budget <= 256, "max_budget must be in [1, 256]"),
+            (self.drafter_timeout_s > 0, "drafter_timeout_s must be > 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)

@@ -1,0 +1,115 @@
+"""Runs the target model over prompts (prefill) and over batches of draft trees (verification)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from sssd.common.draft_tree import DraftTree
+from sssd.verifier.engine.handoff import PrefilledPrompt
+from sssd.verifier.engine.kv_cache import SlotKVCache
+from sssd.verifier.engine.tree_batch import build_tree_batch, chain_tree
+
+
+class ModelRunner:
+    """Owns the KV cache; the batch of running sequences occupies slots [0, num_running)."""
+
+    def __init__(self, model: torch.nn.Module, max_seqs: int, max_len: int) -> None:
+        config = model.config
+        self.model = model
+        self.dtype = next(model.parameters()).dtype
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.cache = SlotKVCache(
+            num_layers=config.num_hidden_layers,
+            max_seqs=max_seqs,
+            num_kv_heads=config.num_key_value_heads,
+            max_len=max_len,
+            head_dim=head_dim,
+            dtype=self.dtype,
+        )
+        self.max_len = max_len
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]  # width of the logits
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, token_ids: Sequence[int]) -> torch.Tensor:
+        """Writes the prompt's KV into `slot`; returns the logits after it: [vocab_size] float32."""
+        if len(token_ids) + 1 > self.max_len:
+            raise ValueError(f"prompt of {len(token_ids)} tokens does not fit the cache "
+                             f"({self.max_len} positions)")
+        self.cache.set_length(slot, 0)
+        logits = self._forward([chain_tree(token_ids)], first_slot=slot, logits_to_keep=1)
+        self.cache.set_length(slot, len(token_ids))
+        return logits[0, -1].float()
+
+    @torch.inference_mode()
+    def prefill_for_handoff(self, token_ids: Sequence[int], slot: int = 0) -> PrefilledPrompt:
+        """Prefills in `slot` and returns a copy of the prompt's KV cache and its next-token
+        logits, for a decode worker elsewhere (`load_prefilled`)."""
+        start = time.perf_counter()
+        logits = self.prefill(slot, token_ids)
+        keys, values = self.cache.export(slot)
+        return PrefilledPrompt.from_tensors(keys, values, logits, time.perf_counter() - start)
+
+    def check_prefilled(self, prefilled: PrefilledPrompt) -> None:
+        """Raises ValueError unless the prefilled KV was made by a model shaped like this one."""
+        cache = self.cache.keys[0]  # [max_seqs, num_kv_heads, max_len, head_dim]
+        layers, heads, length, head_dim = prefilled.keys.shape
+        expected = (len(self.cache.keys), cache.shape[1], cache.shape[3], self.vocab_size,
+                    str(self.dtype).removeprefix("torch."))
+        got = (layers, heads, head_dim, prefilled.logits.shape[0], prefilled.dtype)
+        if got != expected or prefilled.values.shape != prefilled.keys.shape:
+            raise ValueError(f"prefilled KV (layers, kv heads, head dim, vocab, dtype) = {got} "
+                             f"does not match this model's {expected}")
+        if length + 1 >= self.max_len:
+            raise ValueError(f"prefilled prompt of {length} tokens does not fit the cache")
+
+    def load_prefilled(self, slot: int, prefilled: PrefilledPrompt) -> torch.Tensor:
+        """Takes over a prompt prefilled elsewhere into `slot`; returns its logits [vocab_size]."""
+        self.check_prefilled(prefilled)
+        keys, values, logits = prefilled.tensors()
+        self.cache.load(slot, keys, values)
+        return logits
+
+    @torch.inference_mode()
+    def verify(self, trees: Sequence[DraftTree]) -> torch.Tensor:
+        """One forward pass over the trees of slots [0, len(trees)).
+
+        Returns logits [num_seqs, max_nodes, vocab_size] float32; row i's first
+        trees[i].num_nodes positions are real. Call `commit` afterwards.
+        """
+        return self._forward(trees, first_slot=0).float()
+
+    def _forward(self, trees: Sequence[DraftTree], first_slot: int,
+                 logits_to_keep: int = 0) -> torch.Tensor:
+        """Trees of slots [first_slot, first_slot + len(trees)) through the model: raw logits."""
+        cache_lens = [self.cache.lengths[first_slot + row] for row in range(len(trees))]
+        batch = build_tree_batch(trees, cache_lens, self.dtype)
+        self.cache.begin_step(first_slot, len(trees), batch.write_positions, batch.kv_len)
+        output = self.model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            attention_mask=batch.attention_mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
+        return output.logits
+
+    def commit(self, accepted_nodes: Sequence[Sequence[int]]) -> None:
+        """Keeps row i's root and accepted path (node indices, root excluded) in the cache."""
+        self.cache.commit(range(len(accepted_nodes)), accepted_nodes)
+
+    @property
+    def max_seqs(self) -> int:
+        """KV-cache slots: the most sequences a step can hold."""
+        return self.cache.max_seqs
+
+    def move_slot(self, source: int, target: int) -> None:
+        """Moves a sequence's cache to another slot (compaction after a sequence leaves)."""
+        self.cache.move(source, target)
+
+    def room(self, slot: int) -> int:
+        """Cache positions still free in `slot`."""
+        return self.max_len - self.cache.lengths[slot]

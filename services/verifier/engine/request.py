@@ -1,0 +1,116 @@
+"""What one generation request asks for, as one frozen, validated type.
+
+`GenerateRequest` travels unchanged from the API boundary (the gRPC frontend builds it from the
+proto message) through the serving backend and the Ray workers to the engine. Its constructor
+checks everything that does not depend on the model; `RequestLimits.check` adds what does (the
+vocabulary, the context window). Both raise `InvalidRequest`, whose message starts with the API
+field it is about.
+
+Torch-free: the frontend and the Ray backend import it without loading the model's stack.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+
+MAX_STOP_STRINGS, MAX_STOP_LEN = 8, 256
+
+
+class InvalidRequest(ValueError):
+    """A request field is out of range; the message names the field and what is allowed."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples; validated here."""
+
+    temperature: float = 0.0  # 0 = greedy (argmax); otherwise logits are divided by it
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    seed: int | None = None  # seeds the request's torch.Generator; None = nondeterministic
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, numbers.Real) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise InvalidRequest(f"temperature: must be a finite number >= 0 (0 = greedy), "
+                                 f"got {self.temperature!r}")
+        if not (isinstance(self.top_p, numbers.Real) and 0 < self.top_p <= 1):
+            raise InvalidRequest(f"top_p: must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if (isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral)
+                or self.top_k < 0):
+            raise InvalidRequest(f"top_k: must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool)
+                                      or not isinstance(self.seed, numbers.Integral)
+                                      or self.seed < 0):
+            raise InvalidRequest(f"seed: must be unset or an integer >= 0, got {self.seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def make_generator(self, device: str = "cpu"):
+        """The request's torch.Generator: seeded when `seed` is set, else from the OS."""
+        import torch
+
+        generator = torch.Generator(device=device)
+        if self.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(self.seed)
+        return generator
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One prompt to answer. Built once at the API boundary, then passed along unchanged."""
+
+    prompt_ids: tuple[int, ...]  # [num_prompt_tokens] the prompt, chat template applied
+    max_tokens: int  # most tokens to generate
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()  # generation ends before the first of these strings
+    speculate: bool = True  # False: decode without drafts (speculation "off")
+
+    def __post_init__(self) -> None:
+        # Accept any sequence of ints at construction, keep an immutable tuple.
+        object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if not self.prompt_ids:
+            raise InvalidRequest("prompt: must hold at least one token")
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral)
+               for t in self.prompt_ids):
+            raise InvalidRequest("prompt: token ids must be integers")
+        if (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, numbers.Integral)
+                or self.max_tokens < 1):
+            raise InvalidRequest(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
+        if len(self.stop) > MAX_STOP_STRINGS or any(
+                not isinstance(s, str) or not s or len(s) > MAX_STOP_LEN for s in self.stop):
+            raise InvalidRequest(f"stop: at most {MAX_STOP_STRINGS} strings of 1 to "
+                                 f"{MAX_STOP_LEN} characters")
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request may ask of this model and server."""
+
+    vocab_size: int  # token ids are in [0, vocab_size)
+    max_prompt_tokens: int  # the context window leaves room for at least one new token
+
+    @classmethod
+    def for_context(cls, vocab_size: int, max_len: int) -> "RequestLimits":
+        """Limits of a KV cache of `max_len` positions: the prompt, one new token and the
+        root of its first draft tree must fit."""
+        return cls(vocab_size, max_len - 2)
+
+    def check(self, request: GenerateRequest) -> None:
+        """Raises InvalidRequest naming the field."""
+        # One pass in C over the ids instead of a Python loop: prompts run to thousands.
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.vocab_size:
+            bad = next(t for t in request.prompt_ids if not 0 <= t < self.vocab_size)
+            raise InvalidRequest(f"prompt: token id {bad} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        if len(request.prompt_ids) > self.max_prompt_tokens:
+            raise InvalidRequest(f"prompt: {len(request.prompt_ids)} tokens, the context window "
+                                 f"allows at most {self.max_prompt_tokens}")
+

@@ -1,0 +1,59 @@
+"""The registry of drafting sources: engine mode -> the `Proposer` that drafts for it.
+
+One table instead of if/elif chains on mode strings. Implementations are imported when built,
+so an engine that drafts through a remote service never loads the C++ core, and one that does
+not speculate loads neither grpc nor the core. A new source (the speculator) registers here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sssd.common.drafting import Proposer
+from sssd.common.model_loader import LoadedModel
+from sssd.verifier.engine.config import EngineConfig
+
+# (config, model) -> the proposer, or None to decode without speculation.
+ProposerFactory = Callable[[EngineConfig, LoadedModel], Proposer | None]
+
+
+def _no_proposer(config: EngineConfig, loaded: LoadedModel) -> None:
+    return None
+
+
+def _sssd_drafter(use_datastore: bool) -> ProposerFactory:
+    """SSSD drafting: the drafter service at `drafter_target` when set (its datastore is its
+    own), else the C++ core in this process, with the configured datastore or (prompt
+    lookup) the input trie alone."""
+
+    def build(config: EngineConfig, loaded: LoadedModel) -> Proposer:
+        if config.drafter_target is not None:
+            from sssd.drafter.client import RemoteDrafter
+
+            return RemoteDrafter(config.drafter_target, timeout_s=config.drafter_timeout_s)
+        from sssd.drafter.config import DrafterConfig
+        from sssd.drafter.drafter import Drafter
+
+        datastore_dir = config.datastore_dir if use_datastore else None
+        return Drafter(DrafterConfig(datastore_dir=datastore_dir, vocab_size=loaded.vocab_size,
+                                     tokenizer_fingerprint=loaded.fingerprint)).start()
+
+    return build
+
+
+PROPOSERS: dict[str, ProposerFactory] = {
+    "ar": _no_proposer,
+    "prompt_lookup": _sssd_drafter(use_datastore=False),
+    "sssd": _sssd_drafter(use_datastore=True),
+}
+
+
+def register_proposer(mode: str, factory: ProposerFactory) -> None:
+    """Adds a drafting source under a new mode (the mode must also be an EngineConfig mode)."""
+    if mode in PROPOSERS:
+        raise ValueError(f"mode {mode!r} already has a proposer")
+    PROPOSERS[mode] = factory
+
+
+def make_proposer(config: EngineConfig, loaded: LoadedModel) -> Proposer | None:
+    return PROPOSERS[config.mode](config, loaded)

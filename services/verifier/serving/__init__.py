@@ -1,0 +1,13 @@
+"""sssd.verifier.serving: the engine behind the Generate API.
+
+    backend.py      the `Backend` protocol, request handles and stream events, admission
+    errors.py       error kinds of refused or failed requests
+    loop.py         `EngineLoop`: one thread owns an engine and streams every request (a Backend)
+    publish.py      the loop observer that sends completed conversations to the live datastore
+    metrics.py      the loop observer that reports through ray.util.metrics
+    ray_auth.py     starting or joining a Ray cluster with token authentication
+    ray_workers.py  prefill and decode workers (Ray actors)
+    ray_backend.py  `RayBackend`: prefill/decode disaggregation behind the Backend protocol
+    config.py       FrontendConfig, RayConfig
+    frontend.py     the gRPC servicer of proto/sssd/v1/generate.proto
+"""

@@ -1,0 +1,128 @@
+"""What the gRPC frontend serves from: the `Backend` protocol and the types it streams.
+
+Two backends implement it: `EngineLoop` (the engine in this process) and `RayBackend` (prefill
+and decode workers as Ray actors). `Admission` is the admission control both use: the drain
+state, the concurrency limit, request ids and the model's request limits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from sssd.common.totals import Totals
+from sssd.verifier.engine.request import GenerateRequest, RequestLimits
+from sssd.verifier.serving.errors import Draining, Overloaded, StreamError
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """Per-step statistics of one request's stream event."""
+
+    accepted_tokens: int  # draft tokens accepted in the step
+    budget: int  # the row's speculation budget (1: none)
+    draft_ms: float
+    verify_ms: float
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    token_ids: list[int]
+    text: str  # text delta
+    step: StepInfo | None = None  # None for an event holding only the prefill token
+    totals: Totals | None = None  # only in the last event of a request that ended normally
+    error: StreamError | None = None  # only in the last event of a request that failed
+
+
+@dataclass
+class RequestHandle:
+    """A submitted request, as its submitter sees it: read `events` until the last one."""
+
+    request_id: str
+    num_prompt_tokens: int
+    arrival: float  # time.perf_counter() at submission
+    events: queue.Queue = field(default_factory=queue.Queue)  # StreamEvent
+    first_token_at: float | None = None
+    done: bool = False
+
+
+class Backend(Protocol):
+    @property
+    def limits(self) -> RequestLimits:
+        """What requests may ask of the model behind this backend."""
+        ...
+
+    def submit(self, request: GenerateRequest) -> RequestHandle:
+        """Queues a request. Raises InvalidRequest, Overloaded or Draining; never blocks."""
+        ...
+
+    def cancel(self, request_id: str) -> None:
+        """Ends the request's stream now; idempotent, a no-op for finished requests."""
+        ...
+
+    @property
+    def num_requests(self) -> int:
+        """Requests submitted and not yet ended."""
+        ...
+
+    def drain(self) -> None:
+        """Admits nothing new; running requests go on."""
+        ...
+
+    def close(self) -> None:
+        """Stops serving and releases everything the backend holds."""
+        ...
+
+
+class Admission:
+    """Admission control, written once for every backend. Thread-safe."""
+
+    def __init__(self, max_requests: int, limits: RequestLimits) -> None:
+        if max_requests < 1:
+            raise ValueError("max_requests must be >= 1")
+        self.max_requests = max_requests
+        self.limits = limits
+        self._handles: dict[str, RequestHandle] = {}
+        self._lock = threading.Lock()
+        self._is_draining = False
+        self._ids = itertools.count()
+        self._prefix = os.urandom(3).hex()  # ids stay unique across backends and restarts
+
+    def admit(self, request: GenerateRequest, request_id: str | None = None) -> RequestHandle:
+        """A handle for the request, or InvalidRequest / Overloaded / Draining."""
+        self.limits.check(request)
+        with self._lock:
+            if self._is_draining:
+                raise Draining("the server is shutting down")
+            if len(self._handles) >= self.max_requests:
+                raise Overloaded(f"the server holds its maximum of {self.max_requests} "
+                                 "concurrent requests")
+            request_id = request_id or f"r{self._prefix}-{next(self._ids)}"
+            if request_id in self._handles:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            handle = RequestHandle(request_id, len(request.prompt_ids), time.perf_counter())
+            self._handles[request_id] = handle
+        return handle
+
+    def release(self, request_id: str) -> RequestHandle | None:
+        """Forgets an ended request; returns its handle (None if already released)."""
+        with self._lock:
+            return self._handles.pop(request_id, None)
+
+    def get(self, request_id: str) -> RequestHandle | None:
+        with self._lock:
+            return self._handles.get(request_id)
+
+    def drain(self) -> None:
+        with self._lock:
+            self._is_draining = True
+
+    @property
+    def num_requests(self) -> int:
+        with self._lock:
+            return len(self._handles)

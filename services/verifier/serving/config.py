@@ -1,0 +1,81 @@
+"""Configuration of the Generate API server and of its Ray workers: frozen, built once.
+
+Torch-free and Ray-free, so CLIs build and validate configurations before loading anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sssd.common.flags import option
+from sssd.common.ports import GENERATE_PORT, RAY_DASHBOARD_PORT, RAY_METRICS_PORT
+from sssd.verifier.engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from sssd.indexer.producer import PublishConfig
+
+AUTH_MODES = ("disabled", "token")
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """Prefill/decode workers on Ray (ray_backend.py); auth is explained in ray_auth.py."""
+
+    num_prefill_workers: int = option(1, "Ray actors that prefill prompts",
+                                      flag="--prefill-workers")
+    num_decode_workers: int = option(1, "Ray actors that decode (engine loops)",
+                                     flag="--decode-workers")
+    address: str | None = option(
+        None, "join this Ray cluster (auto, host:port) instead of starting a local one",
+        flag="--ray-address")
+    auth: str = option("token", "Ray token authentication: token, or disabled (allowed on "
+                       "loopback only)", choices=AUTH_MODES, flag="--ray-auth")
+    auth_token: str | None = None  # a secret, so no flag: RAY_AUTH_TOKEN instead
+    token_file: str | None = None  # a generated token is written here (0600)
+    host: str = "127.0.0.1"  # where a local cluster binds (node, dashboard)
+    dashboard_port: int = option(RAY_DASHBOARD_PORT, "the local Ray dashboard; 0: none")
+    metrics_port: int = option(RAY_METRICS_PORT,
+                               "the local Ray node's Prometheus endpoint (worker metrics)")
+    num_cpus: int | None = None  # logical CPUs of a local cluster; None: os.cpu_count()
+    cpus_per_worker: float = 1.0  # Ray scheduling resource per worker actor
+    # Per worker; None: the node's cores split among the workers (on the 2-core machines one
+    # thread each measured 18 tokens/s against 14-15 with two threads that contend).
+    torch_threads: int | None = option(None, "torch threads per worker; unset: the node's "
+                                       "cores split among the workers")
+    object_store_bytes: int = 1 << 30  # a local cluster's object store (holds KV in flight)
+    metrics_report_interval_ms: int = 2000
+
+    def __post_init__(self) -> None:
+        if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
+            raise ValueError("need at least one prefill worker and one decode worker")
+        if self.auth not in AUTH_MODES:
+            raise ValueError(f"auth must be one of {AUTH_MODES}, got {self.auth!r}")
+        if self.auth == "disabled" and self.address is None and not is_loopback(self.host):
+            raise ValueError(f"auth 'disabled' is allowed only on loopback; {self.host!r} is "
+                             "reachable from other machines: use auth 'token'")
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = option("127.0.0.1", "address the Generate API binds")
+    port: int = option(GENERATE_PORT, "the Generate API's port; 0: the OS picks")
+    max_requests: int = option(64, "running + queued requests; beyond it RESOURCE_EXHAUSTED")
+    max_tokens_limit: int = option(2048, "largest max_tokens a request may ask for")
+    default_max_tokens: int = option(256, "max_tokens of a request that leaves it 0")
+    grace_s: float = option(10.0, "on SIGTERM running requests get this long to finish")
+    max_workers: int = 80  # gRPC handler threads (> max_requests, so refusals are answered)
+    ray: RayConfig | None = None  # None: single process; else prefill/decode Ray workers
+    # Completed conversations to the Redis stream of the live datastore (None: not published).
+    publish: "PublishConfig | None" = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
+            raise ValueError("need 1 <= default_max_tokens <= max_tokens_limit")
+        if self.max_requests < 1 or self.max_workers <= self.max_requests:
+            raise ValueError("need max_requests >= 1 and max_workers > max_requests")

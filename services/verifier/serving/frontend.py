@@ -1,0 +1,235 @@
+"""The public gRPC API (proto/sssd/v1/generate.proto) in front of a serving backend.
+
+The servicer turns each request message into a `GenerateRequest` (every bad field is
+INVALID_ARGUMENT naming the field and its allowed range), submits it to the backend (the
+single-process `EngineLoop`, or `RayBackend` with prefill/decode workers) and streams the
+backend's events back. Refusals and failures carry an `ErrorKind`, mapped to a status code in
+one table. The RPC's termination callback cancels the request, so a client cancel or an
+expired deadline frees the sequence at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from sssd.v1 import generate_pb2, generate_pb2_grpc
+from sssd.verifier.engine.request import GenerateRequest, InvalidRequest, SamplingParams
+from sssd.verifier.serving.backend import Backend, StreamEvent
+from sssd.verifier.serving.config import FrontendConfig
+from sssd.verifier.serving.errors import ErrorKind, ServingError
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+CHAT_ROLES = ("system", "user", "assistant")
+
+# The one place an error kind becomes a gRPC status.
+STATUS_OF_KIND = {
+    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.DRAINING: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.STOPPED: grpc.StatusCode.CANCELLED,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, config: FrontendConfig) -> None:
+        self.config = config
+        self.backend: Backend | None = None  # set once the model is loaded
+        self.tokenizer = None
+
+    def attach(self, backend: Backend, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.backend = backend
+
+    def Generate(self, request: generate_pb2.GenerateRequest,
+                 context: grpc.ServicerContext) -> Iterator[generate_pb2.GenerateResponse]:
+        backend = self.backend
+        if backend is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        try:
+            handle = backend.submit(self.parse(request))
+        except InvalidRequest as exc:
+            context.abort(STATUS_OF_KIND[ErrorKind.INVALID_ARGUMENT], str(exc))
+        except ServingError as exc:
+            context.abort(STATUS_OF_KIND[exc.kind], str(exc))
+        # Runs as soon as the RPC ends for any reason (client cancel, deadline, normal end),
+        # even while this thread waits for the next event; the finally covers the rest.
+        context.add_callback(lambda: backend.cancel(handle.request_id))
+        try:
+            while True:
+                try:
+                    event: StreamEvent = handle.events.get(timeout=1.0)
+                except queue.Empty:
+                    if not context.is_active():
+                        return
+                    continue
+                if event.error is not None:
+                    context.abort(STATUS_OF_KIND[event.error.kind], event.error.message)
+                yield to_response(event)
+                if event.totals is not None:
+                    return
+        finally:
+            backend.cancel(handle.request_id)  # a no-op once the request finished
+
+    def parse(self, request: generate_pb2.GenerateRequest) -> GenerateRequest:
+        """The request in engine terms, or InvalidRequest naming the field and its range.
+        The model's limits (vocabulary, context window) are the backend's to check."""
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise InvalidRequest("prompt: set one of text, chat or tokens")
+        if kind == "text":
+            if not request.text.strip():
+                raise InvalidRequest("prompt.text: must not be empty")
+            prompt_ids = self._chat_ids([{"role": "user", "content": request.text}])
+        elif kind == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            if not any(m["content"].strip() for m in messages):
+                raise InvalidRequest("prompt.chat.messages: need at least one non-empty message")
+            for index, message in enumerate(messages):
+                if message["role"] not in CHAT_ROLES:
+                    raise InvalidRequest(f"prompt.chat.messages[{index}].role: "
+                                         f"{message['role']!r} is not one of "
+                                         f"{', '.join(CHAT_ROLES)}")
+            prompt_ids = self._chat_ids(messages)
+        else:
+            prompt_ids = list(request.tokens.token_ids)
+            if not prompt_ids:
+                raise InvalidRequest("prompt.tokens.token_ids: must not be empty")
+        limit = self.config.max_tokens_limit
+        max_tokens = request.max_tokens or self.config.default_max_tokens
+        if not 1 <= max_tokens <= limit:
+            raise InvalidRequest(f"max_tokens: {max_tokens} is outside [1, {limit}] (0 = "
+                                 f"default {self.config.default_max_tokens})")
+        sampling = SamplingParams(
+            temperature=float(request.temperature),
+            top_p=float(request.top_p) if request.HasField("top_p") else 1.0,
+            top_k=int(request.top_k), seed=request.seed if request.HasField("seed") else None)
+        return GenerateRequest(
+            tuple(prompt_ids), max_tokens, sampling, tuple(request.stop),
+            speculate=request.speculation != generate_pb2.SPECULATION_MODE_OFF)
+
+    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        from sssd.common.corpus import conversation_token_ids
+
+        return conversation_token_ids(self.tokenizer, messages, add_generation_prompt=True)
+
+
+def to_response(event: StreamEvent) -> generate_pb2.GenerateResponse:
+    response = generate_pb2.GenerateResponse(text=event.text, token_ids=event.token_ids)
+    if event.step is not None:
+        response.step.CopyFrom(generate_pb2.StepStats(
+            accepted_tokens=event.step.accepted_tokens, budget=event.step.budget,
+            draft_ms=event.step.draft_ms, verify_ms=event.step.verify_ms))
+    if event.totals is not None:
+        t = event.totals
+        response.totals.CopyFrom(generate_pb2.GenerateTotals(
+            prompt_tokens=t.prompt_tokens, completion_tokens=t.completion_tokens,
+            time_to_first_token_s=t.time_to_first_token_s, total_s=t.total_s,
+            tokens_per_second=t.tokens_per_second, mean_accepted_length=t.mean_accepted_length,
+            finish_reason=t.finish_reason))
+    return response
+
+
+@dataclass
+class Frontend:
+    """A running frontend: its gRPC server, port, health servicer and (once loaded) backend."""
+
+    server: grpc.Server
+    port: int
+    servicer: GenerationServicer
+    health: health.HealthServicer
+    backend: Backend | None = None
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving \
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in (SERVICE_NAME, ""):
+            self.health.set(service, status)
+
+    def load(self, loaded=None) -> None:
+        """Loads the model and builds the backend (an engine loop here, or the Ray workers),
+        then reports SERVING."""
+        from sssd.common.model_loader import load_causal_lm
+
+        config = self.servicer.config
+        engine_config = config.engine
+        if config.ray is not None:
+            from sssd.common.tokenizer import load_tokenizer
+            from sssd.verifier.serving.ray_backend import RayBackend
+
+            self.backend = RayBackend(engine_config, config.ray, config.max_requests,
+                                      publish=config.publish).start()
+            tokenizer = load_tokenizer(engine_config.model)
+        else:
+            from sssd.verifier.serving.loop import build_engine_loop
+
+            loaded = loaded or load_causal_lm(engine_config.model, engine_config.dtype)
+            self.backend = build_engine_loop(engine_config, loaded, config.max_requests,
+                                             publish=config.publish)
+            tokenizer = loaded.tokenizer
+        self.servicer.attach(self.backend, tokenizer)
+        self.set_serving(True)
+
+    def stop(self, grace_s: float) -> None:
+        """Stops admitting, lets running requests finish for grace_s, then cancels the rest.
+
+        While draining the server still answers: health says NOT_SERVING and new requests get
+        UNAVAILABLE, so load balancers and retrying clients move on."""
+        self.set_serving(False)
+        if self.backend is not None:
+            self.backend.drain()
+            deadline = time.monotonic() + grace_s
+            while self.backend.num_requests and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self.server.stop(1.0).wait()  # whatever is left is cancelled
+        if self.backend is not None:
+            self.backend.close()
+
+
+def start_frontend(config: FrontendConfig) -> Frontend:
+    """Starts the gRPC server at once (health NOT_SERVING); call `load()` to serve."""
+    servicer = GenerationServicer(config)
+    server = grpc.server(futures.ThreadPoolExecutor(config.max_workers,
+                                                    thread_name_prefix="generate-rpc"))
+    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME,
+                                         reflection.SERVICE_NAME), server)
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    port = server.add_insecure_port(f"{host}:{config.port}")
+    server.start()
+    frontend = Frontend(server, port, servicer, health_servicer)
+    frontend.set_serving(False)
+    return frontend
+
+
+def serve(config: FrontendConfig) -> None:
+    """Serves until SIGTERM or SIGINT, then drains for config.grace_s seconds."""
+    frontend = start_frontend(config)
+    logger.info("generation API on %s:%d (loading the model)", config.host, frontend.port)
+    stopping = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stopping.set())
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        frontend.load()
+        logger.info("serving on %s:%d", config.host, frontend.port)
+        stopping.wait()
+        logger.info("stopping: grace %.1f s", config.grace_s)
+    finally:
+        frontend.stop(config.grace_s)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

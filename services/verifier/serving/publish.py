@@ -1,0 +1,33 @@
+"""Decode workers' side of the live datastore: every completed conversation to the stream.
+
+`ConversationSink` is an engine-loop observer. Each sequence a step finished normally ("stop" or
+"length"; cancelled and failed requests never reach `StepOutput.finished`) is handed, prompt and
+output token ids, to a `ConversationPublisher` (sssd.indexer.producer), which never blocks the
+loop.
+"""
+
+from __future__ import annotations
+
+import os
+
+from sssd.indexer.conversations import Conversation
+from sssd.indexer.producer import ConversationPublisher, PublishConfig
+from sssd.verifier.engine.output import StepOutput
+from sssd.verifier.serving.loop import LoopObserver
+
+
+class ConversationSink(LoopObserver):
+    def __init__(self, config: PublishConfig, fingerprint: str, worker: str = "local") -> None:
+        self.fingerprint = fingerprint
+        self.publisher = ConversationPublisher(
+            config.redis_url, os.path.join(config.spool_dir, worker), stream=config.stream,
+            maxlen=config.maxlen, spool_max_entries=config.spool_max_entries)
+
+    def on_step(self, step: StepOutput, step_s: float) -> None:
+        for seq in step.finished:
+            if seq.output_ids:
+                self.publisher.publish(Conversation(list(seq.prompt_ids), list(seq.output_ids),
+                                                    self.fingerprint, seq.finish_reason))
+
+    def close(self) -> None:
+        self.publisher.close()

@@ -1,0 +1,132 @@
+"""The verifier's Ray actors: prefill workers and decode workers (DESIGN.md sections 3 and 9).
+
+A prefill worker runs a prompt through the model in its own one-slot KV cache and returns the
+prompt's keys and values as numpy arrays (engine/handoff.py), which Ray puts in its object
+store. A decode worker is an `EngineLoop` (continuous batching with speculation) inside a
+threaded actor; `generate` is a Ray streaming generator that yields the request's events as the
+loop produces them. `RayBackend` (ray_backend.py) creates the actors and routes requests.
+
+The classes are plain Python: `ray.remote(...)` turns them into actors where they are created,
+so this module imports Ray nowhere.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from sssd.verifier.engine.config import EngineConfig
+from sssd.verifier.engine.handoff import PrefilledPrompt
+from sssd.verifier.engine.request import GenerateRequest, InvalidRequest
+from sssd.verifier.serving.backend import StreamEvent
+from sssd.verifier.serving.errors import ErrorKind, ServingError, StreamError
+
+# Cancels remembered for requests whose generate call has not arrived yet.
+MAX_EARLY_CANCELS = 4096
+
+
+def _set_threads(num_threads: int) -> None:
+    """Ray sets OMP_NUM_THREADS to an actor's CPU count; the configuration decides instead."""
+    import torch
+
+    torch.set_num_threads(num_threads)
+
+
+class _ModelWorker:
+    """What every worker does first: its torch threads, then its own copy of the model."""
+
+    def __init__(self, config: EngineConfig, name: str, torch_threads: int):
+        from sssd.common.model_loader import load_causal_lm
+
+        _set_threads(torch_threads)
+        self.loaded = load_causal_lm(config.model, config.dtype)
+        self.name = name
+
+    def ready(self) -> dict:
+        import torch
+
+        return {"name": self.name, "pid": os.getpid(), "vocab_size": self.loaded.vocab_size,
+                "fingerprint": self.loaded.fingerprint, "torch_threads": torch.get_num_threads()}
+
+
+class PrefillWorker(_ModelWorker):
+    """Runs prompts through the model and hands their KV cache over (one prompt at a time)."""
+
+    def __init__(self, config: EngineConfig, name: str, torch_threads: int = 1,
+                 metrics: bool = True) -> None:
+        from sssd.verifier.engine.model_runner import ModelRunner
+
+        super().__init__(config, name, torch_threads)
+        self.runner = ModelRunner(self.loaded.model, max_seqs=1, max_len=config.max_len)
+        self.metrics = None
+        if metrics:
+            from sssd.verifier.serving.metrics import PrefillMetrics
+
+            self.metrics = PrefillMetrics(name)
+
+    def prefill(self, prompt_ids: tuple[int, ...]) -> PrefilledPrompt:
+        prefilled = self.runner.prefill_for_handoff(prompt_ids)
+        if self.metrics is not None:
+            self.metrics.record(len(prompt_ids), prefilled.prefill_s)
+        return prefilled
+
+
+class DecodeWorker(_ModelWorker):
+    """An engine loop (continuous batching with speculation) serving prefilled requests."""
+
+    def __init__(self, config: EngineConfig, name: str, max_requests: int,
+                 torch_threads: int = 1, metrics: bool = True, publish=None) -> None:
+        from sssd.verifier.serving.loop import build_engine_loop
+
+        super().__init__(config, name, torch_threads)
+        # `publish`: completed conversations to the live datastore's stream.
+        self.loop = build_engine_loop(config, self.loaded, max_requests, publish=publish,
+                                      worker=name, ray_metrics=metrics)
+        # Cancels that arrived before their generate call (both race on the actor's threads).
+        self._early_cancels: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def generate(self, request_id: str, request: GenerateRequest,
+                 prefilled: PrefilledPrompt) -> Iterator[StreamEvent]:
+        """Streams the request's events; the last one has totals or an error."""
+        with self._lock:  # held across submit, so a cancel either sees the request or is early
+            if self._early_cancels.pop(request_id, 0) is None:
+                return
+            try:
+                handle = self.loop.submit(request, request_id=request_id, prefilled=prefilled)
+            except InvalidRequest as exc:
+                error = StreamError(ErrorKind.INVALID_ARGUMENT, str(exc))
+            except ServingError as exc:
+                error = StreamError(exc.kind, str(exc))
+            except ValueError as exc:  # a prefilled KV this worker's model cannot take
+                error = StreamError(ErrorKind.INTERNAL, str(exc))
+            else:
+                error = None
+        if error is not None:
+            yield StreamEvent([], "", error=error)
+            return
+        while True:
+            event = handle.events.get()
+            yield event
+            if event.totals is not None or event.error is not None:
+                return
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            if not self.loop.has_request(request_id):
+                self._early_cancels[request_id] = None
+                while len(self._early_cancels) > MAX_EARLY_CANCELS:
+                    self._early_cancels.popitem(last=False)
+                return
+        self.loop.cancel(request_id)
+
+    def num_requests(self) -> int:
+        return self.loop.num_requests
+
+    def drain(self) -> None:
+        self.loop.drain()
+
+    def close(self) -> None:
+        self.loop.close()

@@ -1,0 +1,147 @@
+"""The package arrows and interfaces the layout promises (README, "Layout"): what each package
+may import, the one drafting interface, the one registry, the one error table, ports and flags
+defined once."""
+
+import argparse
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SERVICES = Path(__file__).resolve().parents[1] / "services"
+
+
+def loaded_modules(statement: str) -> set[str]:
+    """The modules a fresh interpreter has loaded after running `statement`."""
+    code = f"import sys\n{statement}\nprint('\\n'.join(sorted(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return set(done.stdout.split())
+
+
+def imported_names(package: Path) -> set[str]:
+    """Every module name the package's sources import (statically, lazy imports included)."""
+    names = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+    return names
+
+
+def test_the_engine_loads_neither_grpc_nor_the_cpp_core():
+    assert "sssd._core" not in loaded_modules("import sssd.verifier.engine")
+    modules = loaded_modules("import sssd.verifier.engine.engine; "
+                             "from sssd.verifier.engine import Engine")
+    assert "torch" in modules  # it did load the engine
+    assert not {m for m in modules if m == "grpc" or m.startswith("grpc.")}
+    assert "sssd._core" not in modules
+    assert not {m for m in modules if m.startswith("ray")}
+
+
+def test_the_drafting_interface_and_the_datastore_reader_are_light():
+    modules = loaded_modules("import sssd.common.drafting, sssd.datastore.shard, "
+                             "sssd.datastore.manifest, sssd.datastore.build")
+    assert "grpc" not in modules and "sssd._core" not in modules and "torch" not in modules
+
+
+def test_serving_configuration_loads_no_model_stack():
+    modules = loaded_modules("import sssd.verifier.serving.config, sssd.client, "
+                             "sssd.common.flags")
+    assert "torch" not in modules and "transformers" not in modules
+
+
+def test_the_indexer_imports_nothing_from_the_verifier():
+    assert not {name for name in imported_names(SERVICES / "indexer")
+                if name.startswith("sssd.verifier")}
+
+
+def test_lower_packages_do_not_import_higher_ones():
+    higher = {"common": ("sssd.datastore", "sssd.drafter", "sssd.verifier", "sssd.indexer",
+                         "sssd.cli", "sssd.client"),
+              "datastore": ("sssd.drafter", "sssd.verifier", "sssd.indexer", "sssd.cli"),
+              "drafter": ("sssd.verifier", "sssd.indexer", "sssd.cli"),
+              "client": ("sssd.verifier", "sssd.drafter", "sssd.indexer", "sssd.cli")}
+    for package, forbidden in higher.items():
+        wrong = {n for n in imported_names(SERVICES / package) if n.startswith(forbidden)}
+        assert not wrong, f"services/{package} imports {wrong}"
+    engine = imported_names(SERVICES / "verifier" / "engine")
+    assert not {n for n in engine if n.startswith(("sssd.verifier.serving", "sssd.drafter",
+                                                   "grpc", "ray"))}
+
+
+def test_drafters_implement_the_proposer_protocol(tmp_path):
+    from sssd.common.drafting import DraftRequest, Proposer
+    from sssd.drafter.client import RemoteDrafter
+    from sssd.drafter.config import DrafterConfig
+    from sssd.drafter.drafter import Drafter
+
+    with Drafter(DrafterConfig(vocab_size=100)) as drafter:
+        assert isinstance(drafter, Proposer)
+        drafter.propose([DraftRequest("s", [1, 2, 3, 1, 2], 8, is_start=True)])
+        drafter.append([DraftRequest("s", [3], 8)])  # no tree, state advanced
+        (tree,) = drafter.propose([DraftRequest("s", [], 8)])
+        assert tree.root_token == 3 and tree.token_ids[1] == 1  # "3" was followed by "1"
+        assert drafter.end(["s", "unknown"]) == 1
+    remote = RemoteDrafter("127.0.0.1:1", timeout_s=0.1)
+    assert isinstance(remote, Proposer)
+    remote.close()
+
+
+def test_a_drafter_used_before_start_is_refused():
+    from sssd.common.drafting import DraftRequest
+    from sssd.drafter.config import DrafterConfig
+    from sssd.drafter.drafter import Drafter
+
+    drafter = Drafter(DrafterConfig(vocab_size=100))
+    with pytest.raises(RuntimeError, match="start"):
+        drafter.propose([DraftRequest("s", [1], 4, is_start=True)])
+
+
+def test_every_engine_mode_has_a_proposer_in_the_registry():
+    from sssd.verifier.engine.config import MODES
+    from sssd.verifier.proposers import PROPOSERS, register_proposer
+
+    assert set(PROPOSERS) == set(MODES)
+    with pytest.raises(ValueError, match="already"):
+        register_proposer("sssd", PROPOSERS["sssd"])
+
+
+def test_every_error_kind_has_one_grpc_status():
+    from sssd.verifier.serving.errors import ErrorKind
+    from sssd.verifier.serving.frontend import STATUS_OF_KIND
+
+    assert set(STATUS_OF_KIND) == set(ErrorKind)
+
+
+def test_default_ports_are_distinct_and_the_configs_use_them():
+    from sssd.common import ports
+    from sssd.drafter.config import DrafterConfig
+    from sssd.verifier.serving.config import FrontendConfig
+
+    values = [v for k, v in vars(ports).items() if k.endswith("_PORT")]
+    assert len(values) == len(set(values))
+    assert DrafterConfig().port == ports.DRAFTER_PORT != FrontendConfig().port
+
+
+def test_flags_come_from_the_config_fields():
+    from sssd.common.flags import add_flags, from_args
+    from sssd.verifier.engine.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, EngineConfig, defaults={"budget_policy": "measured"})
+    config = from_args(EngineConfig, parser.parse_args(["--max-batch-size", "3",
+                                                       "--datastore", "x"]))
+    assert (config.max_batch_size, config.datastore_dir, config.budget_policy) == \
+        (3, "x", "measured")
+    help_text = " ".join(parser.format_help().split())
+    assert "running sequences (KV-cache slots) (default 8)" in help_text
+    with pytest.raises(SystemExit):  # choices from the field
+        parser.parse_args(["--mode", "fast"])
+    with pytest.raises(ValueError, match="max_batch_size"):  # the config's own check
+        from_args(EngineConfig, parser.parse_args(["--max-batch-size", "0"]))

@@ -1,0 +1,97 @@
+"""Speculation-budget policies: the paper's rule and the measured-cost optimizer."""
+
+import numpy as np
+import pytest
+
+from sssd.verifier.engine.budget_policy import (
+    FixedBudget,
+    ForwardProfile,
+    MeasuredBudget,
+    RuleBudget,
+)
+
+
+def flat_then_linear_profile():
+    # t(b, s): flat up to b * s = 16, then linear, like a roofline knee (seconds).
+    batches, budgets = [1, 2, 4, 8], [1, 2, 4, 8, 16, 32]
+    seconds = np.array([[0.04 * max(1.0, b * s / 16) for s in budgets] for b in batches])
+    return ForwardProfile(batches, budgets, seconds)
+
+
+def test_rule_is_knee_over_batch_size():
+    policy = RuleBudget(knee_intensity=16.0, max_budget=32)
+    assert [policy.budget(b) for b in (1, 2, 4, 8, 32)] == [16, 8, 4, 2, 1]
+    assert FixedBudget(1).budget(7) == 1
+
+
+def test_measured_policy_follows_observed_acceptance():
+    policy = MeasuredBudget(flat_then_linear_profile(), max_budget=32)
+    # The first step runs at the largest budget: it measures every smaller one at once.
+    assert policy.budget(1) == 32
+    # Nothing is ever accepted: every budget ties on one token per step, and the cheapest,
+    # smallest one (s_q = 1) wins; exploration tries the next budget up now and then.
+    chosen = []
+    for _ in range(64):
+        s = policy.budget(1)
+        chosen.append(s)
+        policy.observe(1, s, [[]], 0.04)
+    assert chosen[-16:].count(1) >= 14 and set(chosen[1:]) <= {1, 2}
+
+
+def test_one_tree_measures_every_smaller_budget():
+    policy = MeasuredBudget(flat_then_linear_profile(), max_budget=32)
+    # Two rows; row 0 accepted tree nodes 1, 3, 7 and 20 along its path, row 1 only node 2.
+    policy.observe(1, 32, [[1, 3, 7, 20], [2]], 0.04)
+    # A tree of budget s is the first s nodes: row 0 keeps the path nodes with index < s.
+    assert policy.expected_accepted == {1: 0.0, 2: 0.5, 4: 1.5, 8: 2.0, 16: 2.0, 32: 2.5}
+    # A step at budget 4 says nothing about larger budgets.
+    policy.observe(1, 4, [[1, 2, 3]], 0.04)
+    assert policy.expected_accepted[8] == 2.0 and policy.expected_accepted[4] > 1.5
+
+
+def test_measured_policy_spends_more_when_drafts_are_good():
+    policy = MeasuredBudget(flat_then_linear_profile(), max_budget=32)
+    for _ in range(100):
+        s = policy.budget(1)
+        # Acceptance grows with the budget, saturating: path nodes at 1, 3, 7, 15, 31.
+        policy.observe(1, s, [[1, 3, 7, 15, 31]], 0.04 * max(1.0, s / 16))  # as profiled
+    assert policy.expected_accepted[16] == pytest.approx(4.0)
+    assert policy.budget(1) == 16  # free at b = 1; 32 accepts one more but costs double
+    assert policy.budget(8) == 2  # at b = 8 anything beyond 2 costs more than it gains
+
+
+def test_profile_round_trip(tmp_path):
+    profile = flat_then_linear_profile()
+    profile.save(tmp_path / "profile.json")
+    loaded = ForwardProfile.load(tmp_path / "profile.json")
+    assert loaded.batches == profile.batches and loaded.budgets == profile.budgets
+    np.testing.assert_allclose(loaded.seconds, profile.seconds)
+    assert loaded.time(3, 0) == pytest.approx(0.04)
+
+
+def test_measured_policy_needs_a_candidate():
+    with pytest.raises(ValueError, match="max_budget"):
+        MeasuredBudget(ForwardProfile([1], [8], np.array([[0.1]])), max_budget=4)
+
+
+def test_profile_medians_are_made_non_decreasing_in_the_budget():
+    # A noisy machine: s = 4 looks cheaper than s = 2 in every round.
+    times = {1: 0.040, 2: 0.050, 4: 0.045, 8: 0.060, 16: 0.070, 32: 0.100}
+    profile = ForwardProfile.measure(lambda b, s: times[s] * b, batches=[1, 2], rounds=3)
+    assert profile.seconds[0].tolist() == pytest.approx([0.04, 0.05, 0.05, 0.06, 0.07, 0.1])
+    assert profile.seconds[1].tolist() == pytest.approx([0.08, 0.1, 0.1, 0.12, 0.14, 0.2])
+
+
+def test_observed_step_times_replace_the_profile():
+    # The profile claims s = 16 costs 5x plain decoding at b = 1; the engine sees otherwise.
+    batches, budgets = [1, 2], [1, 2, 4, 8, 16, 32]
+    seconds = np.array([[0.04, 0.04, 0.04, 0.04, 0.2, 0.4]] * 2)
+    policy = MeasuredBudget(ForwardProfile(batches, budgets, seconds), max_budget=16)
+    path = [[1, 3, 7, 12]]  # 4 accepted at s = 16, 3 at s = 8
+    policy.observe(1, 16, path, 0.2)
+    assert policy.budget(1) == 8  # the profile's cost of 16 rules it out
+    for _ in range(200):
+        policy.observe(1, 16, path, 0.045)  # what the engine actually measures
+    assert policy.observed_seconds[(1, 16)] == pytest.approx(0.045, rel=1e-3)
+    assert policy.budget(1) == 16
+    assert policy.budget(2) == 8  # nothing observed at b = 2: the profile still decides

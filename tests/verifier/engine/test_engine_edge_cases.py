@@ -1,0 +1,151 @@
+"""Stops and failures inside accepted paths: EOS, max_tokens, stop strings, drafter outages."""
+
+import numpy as np
+import pytest
+import torch
+
+from sssd.common.draft_tree import DraftTree
+from sssd.common.drafting import SequenceNotFound
+from sssd.verifier.engine import GenerateRequest
+
+
+class OracleDrafter:
+    """Drafts the known greedy continuation as a chain, plus a wrong first-level branch, so that
+    whole chains get accepted and stops land inside accepted paths."""
+
+    def __init__(self, prompts, references):
+        self.prompts = prompts
+        self.references = references
+        self.contexts = {}
+        self.calls = 0
+        self.ended = []
+
+    def propose(self, requests):
+        self.calls += 1
+        # Like the real drafter: every unknown id is reported, and nothing changes.
+        missing = [r.seq_id for r in requests if not r.is_start and r.seq_id not in self.contexts]
+        if missing:
+            raise SequenceNotFound(missing)
+        trees = []
+        for request in requests:
+            if request.is_start:
+                self.contexts[request.seq_id] = list(request.token_ids)
+            else:
+                self.contexts[request.seq_id] += list(request.token_ids)
+            index = int(request.seq_id)
+            context = self.contexts[request.seq_id]
+            done = len(context) - len(self.prompts[index])
+            chain = self.references[index][done : done + request.budget - 2]
+            wrong = (context[-1] + 1) % 1000
+            tokens = [context[-1], wrong] + chain
+            parents = [-1, 0] + [0] + list(range(2, 1 + len(chain)))
+            tokens, parents = tokens[: len(parents)], parents[: len(tokens)]
+            trees.append(DraftTree(np.array(tokens, np.int32), np.array(parents, np.int32)))
+        return trees
+
+    def append(self, requests):
+        for request in requests:
+            self.contexts[request.seq_id] += list(request.token_ids)
+
+    def end(self, seq_ids):
+        self.ended += list(seq_ids)
+        return sum(self.contexts.pop(seq_id, None) is not None for seq_id in seq_ids)
+
+    def close(self):
+        pass
+
+
+def run(engine, prompts, indices, max_tokens, stops=()):
+    sequences = [engine.add_request(GenerateRequest(
+        prompts[i], max_tokens[k] if isinstance(max_tokens, list) else max_tokens, stop=stops),
+        request_id=str(i)) for k, i in enumerate(indices)]
+    while engine.has_work():
+        engine.step()
+    return sequences
+
+
+@pytest.fixture
+def oracle(mt_bench_prompts, greedy_references):
+    return OracleDrafter(mt_bench_prompts, greedy_references)
+
+
+def test_eos_inside_an_accepted_path_ends_the_sequence(engine_factory, target_model_fp32):
+    tokenizer, model = target_model_fp32.tokenizer, target_model_fp32.model
+    eos = set(target_model_fp32.eos_token_ids)
+    prompts = []
+    for question in ("What is the capital of France? Answer in one sentence.",
+                     "Say hello in one word."):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                            add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    with torch.inference_mode():
+        references = [model.generate(torch.tensor([p]), do_sample=False,
+                                     max_new_tokens=40)[0, len(p):].tolist() for p in prompts]
+    assert all(ref[-1] in eos for ref in references), "these short answers end with EOS"
+    # The oracle drafts past the end: EOS lands inside an accepted chain, junk follows it.
+    oracle = OracleDrafter(prompts, [ref + [13, 14, 15] for ref in references])
+    engine, _ = engine_factory(2, proposer=oracle, max_budget=12)
+    sequences = run(engine, prompts, [0, 1], 40)
+    for seq, reference in zip(sequences, references):
+        assert seq.output_ids == reference
+        assert seq.finish_reason == "stop"
+    assert engine.stats.mean_accepted_per_step > 2  # whole chains were accepted
+
+
+def test_max_tokens_cuts_an_accepted_path(engine_factory, oracle, mt_bench_prompts,
+                                          greedy_references, target_model_fp32):
+    eos = set(target_model_fp32.eos_token_ids)
+    engine, _ = engine_factory(4, proposer=oracle, max_budget=12)
+    limits = [5, 13, 1, 40]
+    sequences = run(engine, mt_bench_prompts, [0, 1, 2, 3], limits)
+    for seq, index, limit in zip(sequences, [0, 1, 2, 3], limits):
+        expected = greedy_references[index][:limit]
+        assert seq.output_ids == expected
+        assert seq.finish_reason == ("stop" if eos & set(expected) else "length")
+    # Sequences finished at different steps while the others went on.
+    assert oracle.ended and len(set(oracle.ended)) == 4
+
+
+def test_stop_string_spanning_two_steps(engine_factory, mt_bench_prompts, greedy_references,
+                                        target_model_fp32):
+    tokenizer = target_model_fp32.tokenizer
+    reference = greedy_references[0]
+    # The text of tokens 6 and 7: without speculation each token is its own step.
+    first, second = tokenizer.decode(reference[6:7]), tokenizer.decode(reference[7:8])
+    stop = first[-2:] + second[:2] if len(first) >= 2 and len(second) >= 2 else first + second
+    engine, _ = engine_factory(1, proposer=None)
+    (seq,) = run(engine, mt_bench_prompts, [0], 64, stops=(stop,))
+    text = tokenizer.decode(seq.output_ids)
+    assert seq.finish_reason == "stop"
+    assert seq.output_ids == reference[: len(seq.output_ids)]
+    assert stop in text and stop not in tokenizer.decode(seq.output_ids[:-1])
+    assert text[: seq.stop_text_len] + stop == text[: seq.stop_text_len + len(stop)]
+
+
+class FlakyDrafter(OracleDrafter):
+    """Fails some calls as a dead drafter would; forgets everything once, as a restart would."""
+
+    def __init__(self, prompts, references, failing_calls, restart_call):
+        super().__init__(prompts, references)
+        self.failing_calls = failing_calls
+        self.restart_call = restart_call
+
+    def propose(self, requests):
+        if self.calls + 1 in self.failing_calls:
+            self.calls += 1
+            raise ConnectionError("drafter unavailable")
+        if self.calls + 1 == self.restart_call:
+            self.contexts.clear()
+        return super().propose(requests)
+
+
+def test_drafter_outage_and_restart_lose_nothing(engine_factory, mt_bench_prompts,
+                                                 greedy_references):
+    drafter = FlakyDrafter(mt_bench_prompts, greedy_references, failing_calls={3, 4, 5},
+                           restart_call=8)
+    engine, _ = engine_factory(3, proposer=drafter, max_budget=8)
+    sequences = run(engine, mt_bench_prompts, [4, 5, 6], 48)
+    for seq, index in zip(sequences, [4, 5, 6]):
+        assert seq.output_ids == greedy_references[index][:48]
+    assert engine.stats.num_draft_failures == 3
+    assert engine.stats.num_accepted > 0  # speculation resumed after the outage and restart

@@ -1,0 +1,46 @@
+"""Greedy exactness: speculative output equals transformers' generate(), token for token.
+
+float32 so that numerical near-ties cannot hide a bug (DESIGN.md section 5).
+"""
+
+import numpy as np
+import pytest
+
+from sssd.verifier.engine.budget_policy import ForwardProfile, MeasuredBudget
+
+
+def measured_policy():
+    # A made-up profile, flat up to 64 nodes per step: the policy moves between budgets from
+    # step to step (exploration included), which exactness must not notice.
+    batches, budgets = [1, 2, 4, 8], [1, 2, 4, 8, 16, 32]
+    seconds = np.array([[0.04 * max(1.0, b * s / 64) for s in budgets] for b in batches])
+    return MeasuredBudget(ForwardProfile(batches, budgets, seconds), max_budget=32)
+
+
+@pytest.mark.parametrize("batch_size,datastore,policy", [
+    (1, "empty", "rule"), (1, "warm", "rule"), (4, "empty", "rule"), (4, "warm", "measured")])
+def test_sssd_greedy_equals_generate(engine_factory, mt_bench_prompts, greedy_references,
+                                     warm_datastore, batch_size, datastore, policy):
+    engine, drafter = engine_factory(batch_size, warm_datastore if datastore == "warm" else None)
+    if policy == "measured":
+        engine.budget_policy = measured_policy()
+    try:
+        # Mixed prompt lengths share every batch: requests join and leave between steps.
+        outputs = engine.generate(mt_bench_prompts, max_tokens=64)
+    finally:
+        drafter.close()
+    for index, (output, reference) in enumerate(zip(outputs, greedy_references)):
+        assert output == reference, f"prompt {index} differs"
+    # Speculation must actually happen, or the test proves nothing about tree verification.
+    assert engine.stats.num_accepted > 0
+    if datastore == "warm":
+        assert engine.stats.mean_accepted_per_step > 1.5
+    if policy == "measured":
+        assert len(engine.stats.budget_counts) >= 2  # the budget did change between steps
+
+
+def test_autoregressive_mode_equals_generate(engine_factory, mt_bench_prompts, greedy_references):
+    engine, _ = engine_factory(4, proposer=None)
+    outputs = engine.generate(mt_bench_prompts[:6], max_tokens=64)
+    assert outputs == greedy_references[:6]
+    assert engine.stats.num_accepted == 0
