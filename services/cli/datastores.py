@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import shutil
@@ -78,3 +79,13 @@ def pick_datastore(explicit: Path | None, tokenizer,
         return explicit
     return largest_self_output_datastore() or \
         ensure_sharegpt_datastore(default_data_dir(), tokenizer, records)
+
+
+def add_datastore_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--datastore and --records, the same in every command that picks a datastore."""
+    parser.add_argument("--datastore", type=Path, default=None,
+                        help="datastore to serve (default: the largest self-output datastore, "
+                        "else ShareGPT built on first use)")
+    parser.add_argument("--records", type=int, default=DEFAULT_SHAREGPT_RECORDS,
+                        help="ShareGPT records for the first-run datastore (default "
+                        f"{DEFAULT_SHAREGPT_RECORDS})")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from pathlib import Path
 
 DEFAULT_PROMPT = ("Write a Python function that checks whether a string is a palindrome, "
                   "and explain how it works step by step.")
@@ -34,7 +33,7 @@ ENGINE_FLAGS = ("model", "dtype", "budget_policy", "knee_intensity", "max_budget
 
 
 def main(argv: list[str] | None = None) -> None:
-    from sssd.cli.datastores import DEFAULT_SHAREGPT_RECORDS
+    from sssd.cli.datastores import add_datastore_arguments
     from sssd.common.flags import add_flags, flag_values
     from sssd.verifier.engine.config import EngineConfig
 
@@ -42,12 +41,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     parser.add_argument("--max-tokens", type=int, default=192, help="(default 192)")
-    parser.add_argument("--datastore", type=Path, default=None,
-                        help="the drafter service's datastore (default: the largest self-output "
-                        "datastore, else ShareGPT built on first use)")
-    parser.add_argument("--records", type=int, default=DEFAULT_SHAREGPT_RECORDS,
-                        help="ShareGPT records for the first-run datastore (default "
-                        f"{DEFAULT_SHAREGPT_RECORDS})")
+    add_datastore_arguments(parser)
     parser.add_argument("--no-compare", action="store_true",
                         help="skip the autoregressive run and the speedup")
     add_flags(parser.add_argument_group("engine"), EngineConfig, include=ENGINE_FLAGS)

@@ -84,7 +84,7 @@ INDEXER_DEFAULTS = {"build_tokens": 20_000, "build_interval_s": 30.0}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from sssd.cli.datastores import DEFAULT_SHAREGPT_RECORDS
+    from sssd.cli.datastores import add_datastore_arguments
     from sssd.common.flags import add_flags
     from sssd.common.ports import DRAFTER_PORT, INDEXER_METRICS_PORT, INDEXER_PORT, REDIS_PORT
     from sssd.indexer.indexer import IndexerConfig
@@ -99,12 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stack = parser.add_argument_group("the rest of the stack")
     stack.add_argument("--drafter-port", type=int, default=DRAFTER_PORT,
                        help=f"the drafter service (default {DRAFTER_PORT})")
-    stack.add_argument("--datastore", type=Path, default=None,
-                       help="datastore to serve (default: the largest self-output datastore, "
-                       "else ShareGPT built on first use)")
-    stack.add_argument("--records", type=int, default=DEFAULT_SHAREGPT_RECORDS,
-                       help="ShareGPT records for the first-run datastore (default "
-                       f"{DEFAULT_SHAREGPT_RECORDS})")
+    add_datastore_arguments(stack)
     stack.add_argument("--no-live", action="store_true",
                        help="no live datastore: no Redis, no indexer, nothing published")
     stack.add_argument("--live-dir", default="var/live/datastore",
