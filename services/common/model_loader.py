@@ -144,6 +144,13 @@ def _load_gguf(files: ModelFiles, dtype: torch.dtype) -> tuple[PreTrainedModel, 
     if save_atomically(cached, lambda tmp: lm.save_pretrained(tmp, safe_serialization=True),
                        marker):
         logger.info("cached the converted weights of %s in %s", files.gguf_path, cached)
+        # Load what every later process will load: a converted model cast with .to(dtype)
+        # holds other non-persistent buffers (the rotary inv_freq is computed in float32 and
+        # then rounded, where a model built in bfloat16 computes it differently), so in
+        # bfloat16 the first process would decode differently from all later ones.
+        return _from_pretrained(cached, dtype), False
+    logger.warning("could not cache the converted weights in %s; outputs in %s may differ "
+                   "slightly from a cached load's", cached, dtype)
     return lm.to(dtype), False
 
 
