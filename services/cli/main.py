@@ -29,9 +29,13 @@ def add_request_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     parser.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
     parser.add_argument("--top-k", type=int, default=0, help="0: off")
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seeds sampling: the same seed, prompt and settings give the same "
+                        "answer (default: a random seed)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--speculation", default="auto", choices=("auto", "off", "sssd"))
+    parser.add_argument("--speculation", default="auto", choices=("auto", "off", "sssd"),
+                        help="auto (default): the server decides; off: no drafts; sssd: drafts "
+                        "from the SSSD drafter")
     parser.add_argument("--timeout", type=float, default=None, help="deadline per call, seconds")
     parser.add_argument("--stats", action="store_true", help="print the totals afterwards")
 
@@ -154,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         return handler(args)
     except KeyboardInterrupt:
         return 130
+    except ValueError as exc:  # a request field the client refuses before sending it
+        print(f"sssd {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # grpc.RpcError and friends: one line, not a traceback
         code = getattr(exc, "code", None)
         details = getattr(exc, "details", None)

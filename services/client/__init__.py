@@ -73,10 +73,19 @@ def build_request(prompt: Prompt, max_tokens: int = 0, temperature: float = 0.0,
                   top_p: float | None = None, top_k: int = 0, seed: int | None = None,
                   stop: Sequence[str] = (), speculation: str = "auto"
                   ) -> generate_pb2.GenerateRequest:
-    """A text prompt, chat messages ({"role", "content"} dicts) or token ids."""
+    """A text prompt, chat messages ({"role", "content"} dicts) or token ids.
+
+    Raises ValueError naming the field for what the message cannot carry (a negative count, a
+    seed beyond 64 bits); the server checks every range it serves and answers INVALID_ARGUMENT.
+    """
     if speculation not in SPECULATION:
-        raise ValueError(f"speculation must be one of {', '.join(SPECULATION)}, got "
+        raise ValueError(f"speculation: must be one of {', '.join(SPECULATION)}, got "
                          f"{speculation!r}")
+    for name, value, bits, meaning in (("max_tokens", max_tokens, 32, "0: the server's default"),
+                                       ("top_k", top_k, 32, "0: off"),
+                                       ("seed", seed, 64, "unset: a random seed")):
+        if value is not None and not 0 <= value < 2 ** bits:
+            raise ValueError(f"{name}: {value} is outside [0, {2 ** bits - 1}] ({meaning})")
     request = generate_pb2.GenerateRequest(
         max_tokens=max_tokens, temperature=temperature, top_k=top_k, stop=list(stop),
         speculation=SPECULATION[speculation])

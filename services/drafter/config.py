@@ -21,7 +21,8 @@ class DraftParams:
     prefix_len: int = option(4, "P: longest suffix of the sequence used as a lookup key")
     branch_len: int = option(8, "input-trie window and longest datastore continuation, tokens")
     max_continuations: int = option(100, "datastore samples per prefix length, over all shards")
-    min_tree_nodes: int = option(50, "shorten the datastore prefix while its tree is smaller")
+    min_continuations: int = option(
+        50, "shorten the datastore prefix while fewer continuations were sampled")
     datastore_discount: float = option(1.0, "first-level discount of datastore candidates")
     input_discount: float = option(0.6, "first-level discount of input-trie candidates")
     datastore_child_discount: float = option(1.0, "child discount of datastore candidates")

@@ -25,7 +25,7 @@ class DraftParams:
     prefix_len: int = 4  # P: longest suffix of the sequence used as a lookup key
     branch_len: int = 8  # input-trie window; longest datastore continuation
     max_continuations: int = 100  # datastore samples per prefix length, all shards together
-    min_tree_nodes: int = 50  # shorten the datastore prefix while the tree is smaller
+    min_continuations: int = 50  # shorten the datastore prefix while fewer were sampled
     datastore_discount: float = 1.0  # first-level factor, datastore source
     input_discount: float = 0.6  # first-level factor, input-trie sources
     datastore_child_discount: float = 1.0  # factor per level below the first, datastore
@@ -41,8 +41,8 @@ class DraftParams:
             raise ValueError("prefix_len must not exceed branch_len")
         if self.max_continuations < 0:
             raise ValueError("max_continuations must be >= 0")
-        if self.min_tree_nodes < 0:
-            raise ValueError("min_tree_nodes must be >= 0")
+        if self.min_continuations < 0:
+            raise ValueError("min_continuations must be >= 0")
         discounts = (self.datastore_discount, self.input_discount, self.datastore_child_discount,
                      self.input_child_discount_base, self.input_child_discount_per_match)
         if not all(0.0 < d <= 1.0 for d in discounts[:4]):
@@ -220,7 +220,7 @@ def collect(sequence: list[int], shards: list[Shard], params: DraftParams) -> Co
     quotas = apportion(params.max_continuations, [len(stream) for stream, _ in shards])
     prefix = sequence[-params.prefix_len:]
     for length in range(len(prefix), 0, -1):
-        if num_nodes(tree) >= params.min_tree_nodes:
+        if tree.count >= params.min_continuations:  # the root counts the continuations
             break
         query = prefix[-length:]
         for (stream, sa), quota in zip(shards, quotas):
@@ -229,18 +229,11 @@ def collect(sequence: list[int], shards: list[Shard], params: DraftParams) -> Co
             lo, hi = find_range(stream, sa, query)
             if lo == hi:
                 continue
-            step = max(1, (hi - lo) // quota)
-            k = 0
-            while lo + k * step < hi and k < quota:
-                position = sa[lo + k * step] + length
+            samples = min(quota, hi - lo)  # spread evenly over the whole range
+            for k in range(samples):
+                position = sa[lo + k * (hi - lo) // samples] + length
                 insert_path(tree, continuation(stream, position, params.branch_len))
-                k += 1
     return tree
-
-
-def num_nodes(tree: CountNode) -> int:
-    """Nodes of `tree`, root included."""
-    return 1 + sum(num_nodes(c) for c in tree.children.values())
 
 
 # --- Merge (Algorithm 3) --------------------------------------------------------------------------
@@ -253,6 +246,15 @@ class Source:
     root: CountNode
     discount: float  # factor on first-level priorities
     child_discount: float  # factor per level below the first
+    # Input tries: a child's probability is its count over the children's total, so that the
+    # occurrence ending the sequence (no continuation yet) does not count.
+    over_children: bool = False
+
+    def total(self, node: CountNode) -> int:
+        """What the probabilities of `node`'s children divide by."""
+        if self.over_children:
+            return sum(c.count for c in node.children.values())
+        return node.count
 
 
 def make_sources(datastore_tree: CountNode | None, matches: list[tuple[CountNode, int]],
@@ -265,7 +267,7 @@ def make_sources(datastore_tree: CountNode | None, matches: list[tuple[CountNode
     for node, m in matches:
         child_discount = (params.input_child_discount_base
                           + params.input_child_discount_per_match * m)
-        sources.append(Source(node, params.input_discount, child_discount))
+        sources.append(Source(node, params.input_discount, child_discount, over_children=True))
     return sources
 
 
@@ -290,7 +292,7 @@ def merge(sources: list[Source], root_token: int, dec_len: int
 
     for source in sources:
         for c in source.root.sorted_children():
-            push((c.count / source.root.count) * source.discount, 1, source, c, 0)
+            push((c.count / source.total(source.root)) * source.discount, 1, source, c, 0)
 
     while heap and len(token_ids) < dec_len:
         negative_priority, negative_depth, _, source, node, parent = heapq.heappop(heap)
@@ -303,8 +305,8 @@ def merge(sources: list[Source], root_token: int, dec_len: int
             parents.append(parent)
             probs.append(to_float32(priority))
         for c in node.sorted_children():
-            push((c.count / node.count) * priority * source.child_discount, depth + 1, source, c,
-                 draft_node)
+            push((c.count / source.total(node)) * priority * source.child_discount, depth + 1,
+                 source, c, draft_node)
     return token_ids, parents, probs
 
 

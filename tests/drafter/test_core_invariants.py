@@ -71,10 +71,12 @@ def test_trie_match_returns_every_suffix_longest_first(core_tree):
 
 def test_merge_reuses_a_token_already_under_the_same_parent(core_params):
     # Sources with children: m=2 (node 12, child discount 0.6 + 0.1 * 2) and m=1 (node 2,
-    # 0.6 + 0.1 * 1). Both offer 3 at 0.3; the second 3 (and the 1 and 2 below it) land on the
-    # nodes the first created, which keep the m=2 probabilities.
+    # 0.6 + 0.1 * 1). Both offer 3 at 0.6: the occurrence of 12 (and of 2) that ends the
+    # sequence has no continuation and does not count, so 3 follows them with probability 1.
+    # The second 3 (and the 1 and 2 below it) land on the nodes the first created, which keep
+    # the m=2 probabilities.
     params = reference.DraftParams()
-    first = (1 / 2) * 0.6
+    first = (1 / 1) * 0.6
     second = (1 / 1) * first * (0.6 + 0.1 * 2)
     third = (1 / 1) * second * (0.6 + 0.1 * 2)
     expected = ([2, 3, 1, 2], [-1, 0, 1, 2], float32([1.0, first, second, third]))
@@ -123,9 +125,9 @@ def test_a_match_at_the_end_of_a_document_adds_an_empty_continuation(core_shard,
     assert draft(datastore, make_trie([1, 2]), 5, params, core_params) == ([2], [-1], [1.0])
 
 
-def test_strided_sampling_takes_every_step_th_row(core_shard, core_params, core_tree):
+def test_samples_spread_evenly_over_the_match_range(core_shard, core_params, core_tree):
     # Six suffixes start with 5 (rows 5-10, after one suffix for each of 0-4), sorted by the next
-    # token 0 1 2 3 4 6; quota 3 gives step 2 and rows 0, 2, 4 of the block.
+    # token 0 1 2 3 4 6; quota 3 takes rows k * 6 // 3 = 0, 2, 4 of the block.
     documents = [[5, 0], [5, 1], [5, 2], [5, 3], [5, 4], [5, 6]]
     params = reference.DraftParams(prefix_len=1, branch_len=2, max_continuations=3)
     datastore = _core.Datastore([core_shard(documents, 7)], 7, params.max_continuations)
@@ -134,15 +136,33 @@ def test_strided_sampling_takes_every_step_th_row(core_shard, core_params, core_
     assert core_tree(nodes) == (5, 3, ((0, 1, ()), (2, 1, ()), (4, 1, ())))
 
 
-def test_min_tree_nodes_stops_shortening_the_prefix(core_shard, core_params, core_tree):
-    # L=2 (prefix 12) already gives 2 nodes; with min_tree_nodes 2, L=1 (prefix 2) never runs.
+def test_a_range_between_one_and_two_quotas_is_sampled_to_its_end(core_shard, core_params,
+                                                                  core_tree):
+    # Five suffixes start with 5, next tokens 0 1 2 3 6; quota 3 takes rows k * 5 // 3 = 0, 1, 3.
+    # A stride of 5 // 3 = 1 would take 0, 1, 2 and never see the end of the range.
+    documents = [[5, 0], [5, 1], [5, 2], [5, 3], [5, 6]]
+    params = reference.DraftParams(prefix_len=1, branch_len=2, max_continuations=3)
+    datastore = _core.Datastore([core_shard(documents, 7)], 7, params.max_continuations)
+    expected = (5, 3, ((0, 1, ()), (1, 1, ()), (3, 1, ())))
+    assert core_tree(datastore.collect(int32([5]), core_params(params))) == expected
+    stream = reference.build_stream(documents)
+    shards = [(stream, reference.suffix_array(stream))]
+    assert reference.collect([5], shards, params).canonical() == expected
+
+
+def test_min_continuations_stops_shortening_the_prefix(core_shard, core_params, core_tree):
+    # L=2 (prefix 12) samples one continuation; with min_continuations 1, L=1 (prefix 2) never
+    # runs. With 2 it does, and adds 3 (from 1 2 3) and 4 (from 4 2 4).
     documents = [[1, 2, 3], [4, 2, 4]]
-    params = reference.DraftParams(prefix_len=2, branch_len=4, min_tree_nodes=2)
+    params = reference.DraftParams(prefix_len=2, branch_len=4, min_continuations=1)
     datastore = _core.Datastore([core_shard(documents, 5)], 5, params.max_continuations)
     assert core_tree(datastore.collect(int32([1, 2]), core_params(params))) == (2, 1, ((3, 1, ()),))
-    params = reference.DraftParams(prefix_len=2, branch_len=4, min_tree_nodes=3)
-    assert core_tree(datastore.collect(int32([1, 2]), core_params(params))) == (
-        2, 3, ((3, 2, ()), (4, 1, ())))
+    params = reference.DraftParams(prefix_len=2, branch_len=4, min_continuations=2)
+    expected = (2, 3, ((3, 2, ()), (4, 1, ())))
+    assert core_tree(datastore.collect(int32([1, 2]), core_params(params))) == expected
+    stream = reference.build_stream(documents)
+    shards = [(stream, reference.suffix_array(stream))]
+    assert reference.collect([1, 2], shards, params).canonical() == expected
 
 
 @pytest.mark.parametrize(("total", "sizes", "quotas"), [
@@ -178,14 +198,17 @@ def test_equal_priority_goes_to_the_deeper_node(core_shard, core_params):
 
 
 def test_equal_first_level_priorities_follow_source_order(core_shard, core_params):
-    # Sources in push order: the datastore tree 2 -> 8 (1.0 * 0.3), input m=2 (node 12, count 2:
-    # 3 at 0.5 * 0.6) and input m=1 (node 2, count 4: 3 at 0.25 * 0.6, 4 at 0.5 * 0.6). The three
-    # 0.3 entries tie on priority and depth, so they come out as pushed: 8, 3, 4.
+    # Sources in push order: the datastore tree 2 -> 8 (1.0 * 0.6), input m=2 (node 12, whose
+    # occurrences with a continuation are followed by 3: 1.0 * 0.6) and input m=1 (node 2,
+    # children 3 once and 4 twice: 3 at 1/3 * 0.6, 4 at 2/3 * 0.6). The two 0.6 entries tie on
+    # priority and depth, so they come out as pushed: 8, then 3; then 5 (under the m=2 source's
+    # 3, at 1.0 * 0.6 * 0.8) before 4 (0.4).
     sequence = [1, 2, 3, 5, 2, 4, 6, 2, 4, 7, 1, 2]
-    params = reference.DraftParams(prefix_len=2, datastore_discount=0.3)
+    params = reference.DraftParams(prefix_len=2, datastore_discount=0.6)
     datastore = _core.Datastore([core_shard([[1, 2, 8]], 9)], 9, params.max_continuations)
-    five = (1 / 1) * ((1 / 2) * 0.6) * (0.6 + 0.1 * 2)  # 5 under the m=2 source's 3
-    expected = ([2, 8, 3, 4, 5], [-1, 0, 0, 0, 2], float32([1.0, 0.3, 0.3, 0.3, five]))
+    five = (1 / 1) * ((1 / 1) * 0.6) * (0.6 + 0.1 * 2)
+    four = (2 / 3) * 0.6
+    expected = ([2, 8, 3, 5, 4], [-1, 0, 0, 2, 0], float32([1.0, 0.6, 0.6, five, four]))
     assert draft(datastore, make_trie(sequence), 5, params, core_params) == expected
     stream = reference.build_stream([[1, 2, 8]])
     shards = [(stream, reference.suffix_array(stream))]
@@ -259,7 +282,7 @@ def test_check_shard_detects_a_missing_final_separator(core_shard):
     {"prefix_len": 5, "branch_len": 4},
     {"branch_len": 65},
     {"max_continuations": -1},
-    {"min_tree_nodes": -1},
+    {"min_continuations": -1},
     {"input_discount": 1.5},
     {"datastore_child_discount": -0.1},
     {"input_child_discount_base": 0.7},  # 0.7 + 0.1 * 4 > 1

@@ -53,7 +53,7 @@ def draft_params(draw) -> reference.DraftParams:
         prefix_len=prefix_len,
         branch_len=draw(st.integers(min_value=prefix_len, max_value=8)),
         max_continuations=draw(st.integers(min_value=0, max_value=30)),
-        min_tree_nodes=draw(st.integers(min_value=0, max_value=60)),
+        min_continuations=draw(st.integers(min_value=0, max_value=60)),
         datastore_discount=draw(discounts(min_value=0.05)),
         input_discount=draw(discounts(min_value=0.05)),
         datastore_child_discount=draw(discounts(min_value=0.05)),

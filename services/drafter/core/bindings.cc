@@ -74,7 +74,7 @@ NB_MODULE(_core, m) {
       .def_rw("prefix_len", &sssd::DrafterParams::prefix_len)
       .def_rw("branch_len", &sssd::DrafterParams::branch_len)
       .def_rw("max_continuations", &sssd::DrafterParams::max_continuations)
-      .def_rw("min_tree_nodes", &sssd::DrafterParams::min_tree_nodes)
+      .def_rw("min_continuations", &sssd::DrafterParams::min_continuations)
       .def_rw("datastore_discount", &sssd::DrafterParams::datastore_discount)
       .def_rw("input_discount", &sssd::DrafterParams::input_discount)
       .def_rw("datastore_child_discount", &sssd::DrafterParams::datastore_child_discount)

@@ -108,7 +108,7 @@ void Datastore::collect(std::span<const int32_t> sequence, const DrafterParams& 
   int32_t path[64];
   const int32_t branch_len = std::min<int32_t>(params.branch_len, 64);
   for (int32_t length = prefix_len; length >= 1; --length) {
-    if (tree.size() >= params.min_tree_nodes) break;
+    if (tree.node(0).count >= params.min_continuations) break;  // continuations sampled
     const std::span<const int32_t> query = sequence.last(length);
     for (int32_t s = 0; s < num_shards(); ++s) {
       const int32_t quota = quotas_[s];
@@ -116,18 +116,20 @@ void Datastore::collect(std::span<const int32_t> sequence, const DrafterParams& 
       const SaRange range = find(s, query);
       const uint32_t count = range.end - range.begin;
       if (count == 0) continue;
-      // Rows are sorted, so a regular stride approximates the continuation distribution.
-      const uint32_t step = std::max<uint32_t>(1, count / static_cast<uint32_t>(quota));
+      // Rows are sorted by continuation, so samples spread evenly over the whole range
+      // approximate the continuation distribution: k * count / samples for k < samples (every
+      // row when the range holds no more than the quota). A fixed stride floor(count / quota)
+      // would cover only the start of a range holding between 1x and 2x the quota.
+      const uint64_t samples = std::min<uint64_t>(count, static_cast<uint64_t>(quota));
       const ShardView& shard = shards_[s];
       const size_t n = shard.stream.size();
       // Every sampled row costs two cache misses (suffix array, then stream). Issue all of them
       // before using any, so they overlap instead of queueing one after another.
       rows.clear();
-      for (uint32_t row = range.begin; static_cast<int32_t>(rows.size()) < quota;) {
+      for (uint64_t k = 0; k < samples; ++k) {
+        const uint32_t row = range.begin + static_cast<uint32_t>(k * count / samples);
         rows.push_back(row);
         __builtin_prefetch(&shard.suffix_array[row]);
-        if (range.end - row <= step) break;  // the next stride would leave the range
-        row += step;
       }
       for (uint32_t& row : rows) {
         row = shard.suffix_array[row] + static_cast<uint32_t>(length);  // now a stream position

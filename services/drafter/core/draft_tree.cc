@@ -38,7 +38,7 @@ const char* DrafterParams::validate() const {
   if (branch_len < 1 || branch_len > 64) return "branch_len must be in [1, 64]";
   if (prefix_len > branch_len) return "prefix_len must not exceed branch_len";
   if (max_continuations < 0) return "max_continuations must be >= 0";
-  if (min_tree_nodes < 0) return "min_tree_nodes must be >= 0";
+  if (min_continuations < 0) return "min_continuations must be >= 0";
   // A zero factor would put zero-probability nodes in the tree: every factor that multiplies a
   // priority must be positive.
   for (double v : {datastore_discount, input_discount, datastore_child_discount,

@@ -14,6 +14,14 @@ struct EntryLess {
   }
 };
 
+// The count that a node's children's probabilities divide by (ALGORITHM.md, Merge).
+double denominator(const MergeSource& source, int32_t node, const std::vector<int32_t>& children) {
+  if (!source.over_children) return static_cast<double>(source.tree->node(node).count);
+  int64_t total = 0;
+  for (int32_t c : children) total += source.tree->node(c).count;
+  return static_cast<double>(total);
+}
+
 // Returns the child of draft node `parent` with `token`, appending it if absent.
 int32_t insert_token(DraftTree& tree, int32_t parent, int32_t token, double priority) {
   for (int32_t i = parent + 1; i < tree.size(); ++i) {
@@ -39,7 +47,8 @@ std::vector<MergeSource> make_sources(const CountTree* datastore_tree, const Inp
   for (const InputMatch& match : matches) {
     sources.push_back(MergeSource{
         &trie.tree(), match.node, params.input_discount,
-        params.input_child_discount_base + params.input_child_discount_per_match * match.match_len});
+        params.input_child_discount_base + params.input_child_discount_per_match * match.match_len,
+        /*over_children=*/true});
   }
   return sources;
 }
@@ -63,12 +72,11 @@ void merge_sources(std::span<const MergeSource> sources, int32_t root_token, int
 
   for (int32_t s = 0; s < static_cast<int32_t>(sources.size()); ++s) {
     const MergeSource& source = sources[s];
-    const CountNode& root = source.tree->node(source.root);
     source.tree->sorted_children(source.root, scratch.children);
+    const double total = denominator(source, source.root, scratch.children);
     for (int32_t c : scratch.children) {
       const double priority =
-          (static_cast<double>(source.tree->node(c).count) / static_cast<double>(root.count)) *
-          source.discount;
+          (static_cast<double>(source.tree->node(c).count) / total) * source.discount;
       push({priority, 1, 0, s, c, 0});
     }
   }
@@ -81,10 +89,11 @@ void merge_sources(std::span<const MergeSource> sources, int32_t root_token, int
     const CountNode& node = source.tree->node(entry.node);
     const int32_t draft_node = insert_token(out, entry.parent, node.token, entry.priority);
     source.tree->sorted_children(entry.node, scratch.children);
+    const double total = denominator(source, entry.node, scratch.children);
     for (int32_t c : scratch.children) {
       const double priority =
-          (static_cast<double>(source.tree->node(c).count) / static_cast<double>(node.count)) *
-          entry.priority * source.child_discount;
+          (static_cast<double>(source.tree->node(c).count) / total) * entry.priority *
+          source.child_discount;
       push({priority, entry.depth + 1, 0, entry.source, c, draft_node});
     }
   }

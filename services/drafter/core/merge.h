@@ -18,6 +18,10 @@ struct MergeSource {
   int32_t root;
   double discount;        // factor on first-level priorities
   double child_discount;  // factor per level below the first
+  // Input-trie sources: a node's probability of going on to a child is count(child) over the
+  // children's total, not over the node's own count, which also counts the occurrence that
+  // ends the sequence (its own current suffix, which has no continuation yet).
+  bool over_children = false;
 };
 
 // Scratch memory that a worker thread reuses across calls.

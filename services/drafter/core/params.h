@@ -10,7 +10,7 @@ struct DrafterParams {
   int32_t prefix_len = 4;             // P: longest suffix of the sequence used as a lookup key
   int32_t branch_len = 8;             // input-trie window; longest datastore continuation
   int32_t max_continuations = 100;    // datastore samples per prefix length, all shards together
-  int32_t min_tree_nodes = 50;        // shorten the datastore prefix while the tree is smaller
+  int32_t min_continuations = 50;     // shorten the datastore prefix while fewer were sampled
   double datastore_discount = 1.0;    // first-level factor, datastore source
   double input_discount = 0.6;        // first-level factor, input-trie sources
   double datastore_child_discount = 1.0;

@@ -1,0 +1,210 @@
+"""Draft quality without the model in the loop: tokens per verification step by replay.
+
+Under greedy verification, how many tokens a step yields depends only on the draft tree and on
+the target model's greedy continuation: a draft token is accepted exactly when it equals the
+next token the model would produce. So once the model's greedy answers to a prompt set are known
+(generated once by the engine, autoregressively, and cached under var/bench/references/), any
+drafter configuration can be scored in seconds by replaying them: each step the drafter proposes
+a tree for the context so far, the longest root path that follows the answer is accepted, the
+next answer token is the bonus, and the context advances by both, exactly as the engine would.
+
+Prompt sets: `mt_bench` (first turns), `code` (bench/data/code_prompts.jsonl, written for this
+project), `sharegpt-tune` (first user turns of ShareGPT records 12,000-14,999, the held-out set
+for tuning the drafter's constants; never tune on mt_bench).
+
+    python bench/draft_quality.py --sets mt_bench,code --budgets 4,8,16,32 \\
+        --config baseline: --config long:branch_len=12
+
+Prints one JSON object per (set, datastore, config, budget):
+  tokens_per_step       tokens emitted per verification step (accepted + bonus), answer tokens
+                        after the first (which the prefill yields) over steps
+  accepted_per_step     draft tokens accepted per step
+  draft_ms              mean drafter call per step (all sequences of the set in one batch)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger("draft_quality")
+
+REFERENCE_DIR = Path("var/bench/references")
+CODE_PROMPTS = Path(__file__).resolve().parent / "data" / "code_prompts.jsonl"
+TUNE_RECORDS = (12_000, 15_000)  # ShareGPT records held out for tuning
+
+
+def prompt_texts(name: str, limit: int) -> list[str]:
+    from sssd.common.corpus import first_turns, iter_sharegpt, read_mt_bench, sharegpt_messages
+
+    if name == "mt_bench":
+        return first_turns(read_mt_bench())[:limit]
+    if name == "code":
+        with open(CODE_PROMPTS) as f:
+            return [json.loads(line)["prompt"] for line in f if line.strip()][:limit]
+    if name == "sharegpt-tune":
+        texts = []
+        for record in iter_sharegpt(*TUNE_RECORDS):
+            first = next((m["content"] for m in sharegpt_messages(record)
+                          if m["role"] == "user" and m["content"].strip()), None)
+            if first is not None and len(first) < 2000:  # long pastes: prompts of 500+ tokens
+                texts.append(first)
+            if len(texts) == limit:
+                break
+        return texts
+    raise SystemExit(f"unknown prompt set {name!r}: mt_bench, code or sharegpt-tune")
+
+
+def references(name: str, limit: int, max_tokens: int, dtype: str, batch_size: int
+               ) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy answer ids) of the set, generated once and cached."""
+    path = REFERENCE_DIR / f"{name}-{limit}-{max_tokens}-{dtype}.jsonl"
+    if path.is_file():
+        with open(path) as f:
+            rows = [json.loads(line) for line in f]
+        return [(r["prompt_ids"], r["output_ids"]) for r in rows]
+    from tqdm import tqdm
+
+    from sssd.common.corpus import prompt_token_ids
+    from sssd.common.model_loader import load_causal_lm
+    from sssd.verifier.engine import EngineConfig, GenerateRequest
+    from sssd.verifier.factory import build_engine
+
+    loaded = load_causal_lm(None, dtype)
+    prompts = [prompt_token_ids(loaded.tokenizer, text) for text in prompt_texts(name, limit)]
+    engine = build_engine(EngineConfig(mode="ar", dtype=dtype, max_batch_size=batch_size,
+                                       max_len=max(map(len, prompts)) + max_tokens + 8), loaded)
+    sequences = [engine.add_request(GenerateRequest(tuple(p), max_tokens)) for p in prompts]
+    progress = tqdm(total=len(prompts), desc=f"greedy answers ({name})", unit="prompt")
+    while engine.has_work():
+        progress.update(len(engine.step().finished))
+    progress.close()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    with open(temporary, "w") as f:
+        for seq in sequences:
+            f.write(json.dumps({"prompt_ids": list(seq.prompt_ids),
+                                "output_ids": seq.output_ids}) + "\n")
+    temporary.rename(path)
+    return [(list(s.prompt_ids), s.output_ids) for s in sequences]
+
+
+def accepted_along(tree, answer: Sequence[int], position: int) -> int:
+    """Draft tokens a greedy verifier accepts: the longest root path that follows the answer
+    from `position` on (the root is the token before it)."""
+    children: dict[int, dict[int, int]] = {}
+    for node in range(1, tree.num_nodes):
+        children.setdefault(int(tree.parents[node]), {})[int(tree.token_ids[node])] = node
+    node, accepted = 0, 0
+    while position + accepted < len(answer):
+        node = children.get(node, {}).get(answer[position + accepted])
+        if node is None:
+            break
+        accepted += 1
+    return accepted
+
+
+def replay(drafter, pairs: list[tuple[list[int], list[int]]], budget: int) -> dict:
+    """Tokens per step of `drafter` (a started Proposer) on the answers, all sequences batched."""
+    from sssd.common.drafting import DraftRequest
+
+    # The prefill yields answer[0]; verification steps start from prompt + answer[0].
+    state = {f"q{i}": [list(prompt) + answer[:1], answer, 1]  # new tokens, answer, position
+             for i, (prompt, answer) in enumerate(pairs) if len(answer) > 1}
+    started: set[str] = set()
+    steps = accepted_total = 0
+    draft_s = 0.0
+    num_calls = 0
+    while state:
+        ids = list(state)
+        requests = [DraftRequest(seq_id, state[seq_id][0], budget, is_start=seq_id not in started)
+                    for seq_id in ids]
+        start = time.perf_counter()
+        trees = drafter.propose(requests)
+        draft_s += time.perf_counter() - start
+        num_calls += 1
+        started.update(ids)
+        finished = []
+        for seq_id, tree in zip(ids, trees):
+            _, answer, position = state[seq_id]
+            accepted = accepted_along(tree, answer, position)
+            emitted = answer[position: position + accepted + 1]
+            steps += 1
+            accepted_total += accepted
+            state[seq_id] = [emitted, answer, position + len(emitted)]
+            if position + len(emitted) >= len(answer):
+                finished.append(seq_id)
+        for seq_id in finished:
+            del state[seq_id]
+        drafter.end(finished)
+    emitted_total = sum(len(answer) - 1 for _, answer in pairs if len(answer) > 1)
+    return {"tokens_per_step": emitted_total / steps, "accepted_per_step": accepted_total / steps,
+            "num_steps": steps, "draft_ms": 1e3 * draft_s / max(num_calls, 1)}
+
+
+def parse_config(text: str) -> tuple[str, dict]:
+    """'name:key=value,key=value' -> (name, {key: value}) with numbers parsed."""
+    name, _, body = text.partition(":")
+    values = {}
+    for item in filter(None, body.split(",")):
+        key, _, raw = item.partition("=")
+        values[key.strip()] = float(raw) if "." in raw else int(raw)
+    return name or "default", values
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sets", default="mt_bench,code",
+                        help="comma-separated: mt_bench, code, sharegpt-tune (default "
+                        "mt_bench,code)")
+    parser.add_argument("--prompts", type=int, default=80, help="per set, at most (80)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="answer length (128)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="of the greedy answers (bfloat16)")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="engine batch for generating the answers (8)")
+    parser.add_argument("--budgets", default="4,8,16,32")
+    parser.add_argument("--datastore", action="append", type=Path, default=[],
+                        help="datastore(s) to score with (repeatable; default: the ShareGPT "
+                        "datastore the main job builds)")
+    parser.add_argument("--config", action="append", default=[],
+                        help="name:key=value,... drafter constants (DraftParams fields), "
+                        "repeatable; default one config with the defaults")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(message)s")
+
+    from sssd.cli.datastores import pick_datastore
+    from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
+    from sssd.drafter.config import DraftParams, DrafterConfig
+    from sssd.drafter.drafter import Drafter
+
+    tokenizer = load_tokenizer(None)
+    datastores = args.datastore or [pick_datastore(None, tokenizer)]
+    configs = [parse_config(c) for c in args.config] or [("default", {})]
+    sets = {name: references(name, args.prompts, args.max_tokens, args.dtype, args.batch_size)
+            for name in args.sets.split(",")}
+    for datastore in datastores:
+        for name, values in configs:
+            config = DrafterConfig(datastore_dir=str(datastore), vocab_size=vocab_size(tokenizer),
+                                   tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+                                   params=DraftParams(**values))
+            with Drafter(config) as drafter:
+                for set_name, pairs in sets.items():
+                    for budget in (int(b) for b in args.budgets.split(",")):
+                        row = {"set": set_name, "datastore": str(datastore), "config": name,
+                               "params": values, "budget": budget, "num_prompts": len(pairs)}
+                        row.update(replay(drafter, pairs, budget))
+                        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
