@@ -8,7 +8,10 @@ Walking from the root, each step emits:
   the walk runs off a leaf it is the *bonus* token, sampled from the target at that leaf. Either
   way the step emits `accepted_tokens + [bonus_token]`, at least one token.
 
-Greedy verification compares children with the target's argmax. Sampling verification is lossless
+Greedy verification compares children with the target's argmax. The engine samples with
+`accept_at_positions`: the token after every node is drawn with randomness keyed by (seed,
+output position) and compared like an argmax, so a seeded answer does not depend on the drafts.
+`accept_sampling` is the generator-driven alternative. Its sampling verification is lossless
 rejection sampling: n-gram drafts carry no draft distribution, so each draft token is a point mass
 and SpecInfer's multi-step speculative sampling (Miao et al., ASPLOS 2024) reduces to trying the
 children one by one against the target's remaining mass; drafts from a draft model carry their
@@ -22,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from sssd.verifier.engine.sampling import position_uniforms, sample_with_uniforms
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,35 @@ def accept_greedy(
         accepted_nodes.append(match)
         node = match
     return AcceptResult(accepted_nodes, [tree.token_ids[n] for n in accepted_nodes], argmax[node])
+
+
+def accept_at_positions(
+    token_ids: np.ndarray | torch.Tensor,
+    parents: np.ndarray | torch.Tensor,
+    probs: torch.Tensor,
+    seed: int,
+    first_position: int,
+) -> AcceptResult:
+    """Lossless sampling verification with randomness keyed by (seed, output position).
+
+    probs [num_nodes, vocab_size]: the target distribution at each node. The token that follows
+    node j is drawn at output position `first_position + depth(j)` with
+    `sampling.position_uniforms(seed, ...)`, exactly as plain decoding would draw it there; a
+    draft token is accepted when it equals that draw. This is greedy acceptance against the
+    sampled tokens instead of the argmax: an accepted child's probability is p(c), a walk that
+    stops emits the draw itself, so every emitted token follows p, and the answer depends on
+    (seed, prompt, settings) only, never on which drafts were offered.
+    """
+    tree = TreeIndex(token_ids, parents)
+    if probs.dim() != 2 or probs.shape[0] != tree.num_nodes:
+        raise ValueError(f"probs must be [num_nodes={tree.num_nodes}, vocab_size], got shape "
+                         f"{tuple(probs.shape)}")
+    depths = [0] * tree.num_nodes
+    for node in range(1, tree.num_nodes):
+        depths[node] = depths[tree.parents[node]] + 1
+    uniforms = position_uniforms(seed, [first_position + depth for depth in depths])
+    drawn = sample_with_uniforms(probs, uniforms)  # [num_nodes] the token after each node
+    return accept_greedy(tree.token_ids, tree.parents, drawn)
 
 
 def accept_sampling(

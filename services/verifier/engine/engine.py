@@ -22,14 +22,14 @@ import torch
 
 from sssd.common.draft_tree import DraftTree
 from sssd.common.drafting import DraftRequest, Proposer, SequenceNotFound
-from sssd.verifier.engine.acceptance import AcceptResult, accept_greedy, accept_sampling
+from sssd.verifier.engine.acceptance import AcceptResult, accept_at_positions, accept_greedy
 from sssd.verifier.engine.budget_policy import BudgetPolicy
 from sssd.verifier.engine.detokenizer import Decode, IncrementalDetokenizer, find_stop
 from sssd.verifier.engine.handoff import PrefilledPrompt
 from sssd.verifier.engine.model_runner import ModelRunner
 from sssd.verifier.engine.output import EngineStats, RowOutput, StepOutput
 from sssd.verifier.engine.request import GenerateRequest, RequestLimits, SamplingParams
-from sssd.verifier.engine.sampling import sample_tokens, target_probs
+from sssd.verifier.engine.sampling import position_uniforms, sample_with_uniforms, target_probs
 from sssd.verifier.engine.scheduler import Scheduler
 from sssd.verifier.engine.sequence import Sequence
 
@@ -91,7 +91,8 @@ class Engine:
             raise ValueError("stop strings need an engine built with a detokenize function")
         sequence = Sequence(
             request_id or f"{self._id_prefix}-{next(self._ids)}", request,
-            generator=None if request.sampling.is_greedy else request.sampling.make_generator(),
+            seed=request.sampling.seed if request.sampling.seed is not None
+            else secrets.randbits(64),
             detokenizer=IncrementalDetokenizer(self.detokenize) if self.detokenize else None,
             prefilled=prefilled)
         self.scheduler.add(sequence)
@@ -189,7 +190,8 @@ class Engine:
         if seq.request.sampling.is_greedy:
             return int(logits.argmax())
         probs = target_probs(logits.unsqueeze(0), seq.request.sampling)  # [1, vocab_size]
-        return int(sample_tokens(probs, seq.generator)[0])
+        uniforms = position_uniforms(seq.seed, [len(seq.output_ids)])  # [1]
+        return int(sample_with_uniforms(probs, uniforms)[0])
 
     def _draft(self, budget: int) -> _Drafts:
         running = self.scheduler.running
@@ -234,7 +236,8 @@ class Engine:
         if seq.request.sampling.is_greedy:
             return accept_greedy(tree.token_ids, tree.parents, logits.argmax(-1))
         probs = target_probs(logits, seq.request.sampling)  # [num_nodes, vocab_size]
-        return accept_sampling(tree.token_ids, tree.parents, probs, seq.generator)
+        return accept_at_positions(tree.token_ids, tree.parents, probs, seq.seed,
+                                   first_position=len(seq.output_ids))
 
     def _emit(self, seq: Sequence, tokens: list[int]) -> list[int]:
         """Appends tokens until EOS, a stop string or the length limit ends the sequence;

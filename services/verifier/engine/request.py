@@ -29,7 +29,9 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy (argmax); otherwise logits are divided by it
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
     top_k: int = 0  # keep the k most likely tokens; 0 = off
-    seed: int | None = None  # seeds the request's torch.Generator; None = nondeterministic
+    # The same seed, prompt and settings give the same answer, with or without speculation;
+    # None: a random seed per request.
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, numbers.Real) and math.isfinite(self.temperature)
@@ -43,23 +45,13 @@ class SamplingParams:
             raise InvalidRequest(f"top_k: must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool)
                                       or not isinstance(self.seed, numbers.Integral)
-                                      or self.seed < 0):
-            raise InvalidRequest(f"seed: must be unset or an integer >= 0, got {self.seed!r}")
+                                      or not 0 <= self.seed < 2**64):
+            raise InvalidRequest(f"seed: must be unset or an integer in [0, 2^64), got "
+                                 f"{self.seed!r}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
-
-    def make_generator(self, device: str = "cpu"):
-        """The request's torch.Generator: seeded when `seed` is set, else from the OS."""
-        import torch
-
-        generator = torch.Generator(device=device)
-        if self.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(self.seed)
-        return generator
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,27 @@
-"""The target distribution a request samples from: temperature, then top-k, then top-p.
+"""The target distribution a request samples from (temperature, then top-k, then top-p), and
+the randomness it samples with.
 
 `target_probs` is the one definition of that distribution. The plain (non-speculative) decoder
-samples from it and the rejection sampler (acceptance.py) verifies drafts against it, so that
-speculative sampling is lossless with respect to exactly what plain sampling would do.
+samples from it and verification (acceptance.py) checks drafts against it, so that speculative
+sampling is lossless with respect to exactly what plain sampling would do.
+
+A request's randomness is a function of (seed, position) alone: the token at output position i
+is the inverse-CDF draw of the target distribution there with the uniform
+`position_uniforms(seed, [i])`. So the token at every position is fixed before any verification,
+whatever drafts were offered, and a seeded answer is the same with speculation off, SSSD, prompt
+lookup or any other drafting source.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from sssd.verifier.engine.request import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
 
 # The nucleus is searched among the _NUCLEUS_HEAD most likely tokens first, then among
 # _NUCLEUS_HEAD_GROWTH times as many, and so on up to a full sort (see _top_p).
@@ -74,8 +86,33 @@ def _top_p(probs: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
+def _mix64(value: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit integers that scatters nearby inputs."""
+    value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    value = (value ^ (value >> 27)) * 0x94D049BB133111EB & _MASK64
+    return value ^ (value >> 31)
+
+
+def position_uniforms(seed: int, positions: Sequence[int]) -> torch.Tensor:
+    """[len(positions)] float64 uniforms in [0, 1), one per output position, a function of
+    (seed, position) alone (a counter-based generator: splitmix64 of the seed's hash plus
+    the position times the golden-ratio increment, 53 bits kept)."""
+    base = _mix64(seed & _MASK64)
+    return torch.tensor([(_mix64((base + (position + 1) * _GOLDEN64) & _MASK64) >> 11) * 2.0**-53
+                         for position in positions], dtype=torch.float64)
+
+
 def sample_tokens(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of `probs` [num_rows, vocab_size]: [num_rows] int64.
+    """One token per row of `probs` [num_rows, vocab_size]: [num_rows] int64, with uniforms
+    from `generator`; see `sample_with_uniforms`."""
+    uniforms = torch.rand(probs.shape[0], dtype=torch.float64, device=probs.device,
+                          generator=generator)  # [num_rows]
+    return sample_with_uniforms(probs, uniforms)
+
+
+def sample_with_uniforms(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` [num_rows, vocab_size] given uniforms [num_rows] in [0, 1):
+    [num_rows] int64.
 
     Rows are non-negative weights with a positive sum (they need not sum to 1). Inverse-CDF
     sampling on the float64 cumulative mass: exact up to float64 rounding, tokens of zero mass
@@ -83,8 +120,7 @@ def sample_tokens(probs: torch.Tensor, generator: torch.Generator | None) -> tor
     """
     cumulative = probs.double().cumsum(dim=-1)  # [num_rows, vocab_size]
     total = cumulative[:, -1:]  # [num_rows, 1]
-    uniforms = torch.rand(total.shape, dtype=torch.float64, device=probs.device,
-                          generator=generator)  # [num_rows, 1]
+    uniforms = uniforms.to(torch.float64).reshape(-1, 1).to(probs.device)  # [num_rows, 1]
     # right=True: the first token whose cumulative mass exceeds u, never one of zero mass.
     tokens = torch.searchsorted(cumulative, uniforms * total, right=True)  # [num_rows, 1]
     # u * total can round up to total itself: stay on the last token with mass.

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from sssd.verifier.engine.detokenizer import IncrementalDetokenizer
 from sssd.verifier.engine.handoff import PrefilledPrompt
 from sssd.verifier.engine.request import GenerateRequest
-
-if TYPE_CHECKING:
-    import torch
 
 FINISH_REASONS = ("stop", "length", "cancelled")
 
@@ -23,7 +19,7 @@ class Sequence:
     finish_reason: str | None = None  # one of FINISH_REASONS once it ended
     # Tokens the proposer has seen; the rest go with the next propose call.
     num_proposer_tokens: int = 0
-    generator: torch.Generator | None = None  # the request's randomness (sampling only)
+    seed: int = 0  # the request's randomness: sampling is a function of (seed, position)
     num_steps: int = 0  # verification steps it took part in
     num_accepted: int = 0  # draft tokens accepted over all steps
     # The answer's text, when the engine detokenizes (stop strings, streaming servers).

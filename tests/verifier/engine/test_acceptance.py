@@ -26,7 +26,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sssd.verifier.engine import acceptance
-from sssd.verifier.engine.acceptance import AcceptResult, TreeIndex, accept_greedy, accept_sampling
+from sssd.verifier.engine.acceptance import (AcceptResult, TreeIndex, accept_at_positions,
+                                             accept_greedy, accept_sampling)
 from sssd.verifier.engine.request import SamplingParams
 from sssd.verifier.engine.sampling import sample_tokens, target_probs
 
@@ -324,7 +325,7 @@ def test_sampling_is_reproducible_with_a_seed():
     params = SamplingParams(temperature=1.0, seed=42)
     runs = []
     for _ in range(2):
-        generator = params.make_generator()
+        generator = torch.Generator().manual_seed(params.seed)
         runs.append([accept_sampling(token_ids, parents, probs, generator) for _ in range(50)])
     assert runs[0] == runs[1]
 
@@ -431,6 +432,61 @@ def test_point_mass_sampling_keeps_the_target_distribution(case, target_model, d
     # Not vacuous: the root, its two likely children and a grandchild are tested.
     assert {0, 1, 3} <= tests.keys() and tests.keys() & {4, 5, 6, 7}, describe(tests)
     assert all(test.passed for test in tests.values()), describe(tests)
+
+
+def keyed_chi_squares(tree: TreeIndex, probs: torch.Tensor, first_seed: int
+                      ) -> dict[int, ChiSquare]:
+    """accept_at_positions with NUM_TRIALS different seeds; a chi-square test per node reached
+    MIN_VISITS times, as tree_chi_squares."""
+    token_ids, parents = np.array(tree.token_ids), np.array(tree.parents)
+    results = [accept_at_positions(token_ids, parents, probs, first_seed + trial, 17)
+               for trial in range(NUM_TRIALS)]
+    counts = count_next_tokens(results, lambda result, i: ([0] + result.accepted_nodes)[i])
+    return chi_squares(counts, {node: probs[node] for node in counts})
+
+
+@pytest.mark.parametrize("case", list(SAMPLING_CASES))
+def test_position_keyed_sampling_keeps_the_target_distribution(case, target_model, draft_tree):
+    probs = target_probs(tree_logits(target_model, draft_tree), SAMPLING_CASES[case])
+    tests = keyed_chi_squares(draft_tree, probs, first_seed=10**6)
+    assert {0, 1, 3} <= tests.keys() and tests.keys() & {4, 5, 6, 7}, describe(tests)
+    assert all(test.passed for test in tests.values()), describe(tests)
+
+
+def test_one_uniform_for_every_position_fails_the_same_test(monkeypatch, target_model,
+                                                            draft_tree):
+    # The mistake keying must avoid: the same draw at every depth. A child accepted because
+    # u fell into its slice of p then draws its own successor from that slice only.
+    original = acceptance.position_uniforms
+    monkeypatch.setattr(acceptance, "position_uniforms",
+                        lambda seed, positions: original(seed, [0] * len(positions)))
+    probs = target_probs(tree_logits(target_model, draft_tree), SAMPLING_CASES["temperature_1"])
+    tests = keyed_chi_squares(draft_tree, probs, first_seed=10**6)
+    assert not all(test.passed for test in tests.values()), describe(tests)
+
+
+def test_position_keyed_sampling_at_temperature_zero_equals_greedy():
+    rng = random.Random(5)
+    generator = torch.Generator().manual_seed(5)
+    for seed in range(200):
+        token_ids, parents = random_tree(rng, rng.randint(1, 16))
+        logits = torch.randint(0, 3, (len(token_ids), VOCAB_SIZE), generator=generator).float()
+        probs = target_probs(logits, SamplingParams(temperature=0.0))
+        expected = accept_greedy(token_ids, parents, logits.argmax(dim=-1))
+        assert accept_at_positions(token_ids, parents, probs, seed, 0) == expected
+
+
+def test_position_keyed_tokens_do_not_depend_on_the_drafts(target_model, draft_tree):
+    # Whatever the tree, the emitted tokens are the ones plain decoding draws at those
+    # positions: here, the chain that follows the draws from the root is accepted whole when
+    # drafted, and a tree without it stops at the same first token.
+    probs = target_probs(tree_logits(target_model, draft_tree), SAMPLING_CASES["temperature_1"])
+    for seed in range(50):
+        lone = accept_at_positions(np.array(draft_tree.token_ids[:1]), np.array([-1]),
+                                   probs[:1], seed, 4)
+        full = accept_at_positions(np.array(draft_tree.token_ids), np.array(draft_tree.parents),
+                                   probs, seed, 4)
+        assert full.emitted_tokens[0] == lone.bonus_token
 
 
 def test_wrong_acceptance_rule_fails_the_same_test(monkeypatch, target_model, draft_tree):

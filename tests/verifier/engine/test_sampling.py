@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from sssd.verifier.engine.request import SamplingParams
-from sssd.verifier.engine.sampling import sample_tokens, target_probs
+from sssd.verifier.engine.sampling import (position_uniforms, sample_tokens,
+                                           sample_with_uniforms, target_probs)
 
 
 def logits_of(*probs: float) -> torch.Tensor:
@@ -210,11 +211,27 @@ def test_defaults_are_greedy_and_params_are_frozen():
 # --- sampling ------------------------------------------------------------------------------------
 
 
-def test_seeded_generators_reproduce():
+def test_position_uniforms_are_a_function_of_seed_and_position():
     probs = target_probs(torch.randn(3, 50), SamplingParams(1.0))
-    params = SamplingParams(1.0, seed=123)
-    first = [sample_tokens(probs, params.make_generator()) for _ in range(2)]
-    torch.testing.assert_close(first[0], first[1])
+    first = position_uniforms(123, [0, 1, 2])
+    torch.testing.assert_close(first, position_uniforms(123, [0, 1, 2]))
+    torch.testing.assert_close(position_uniforms(123, [2]), first[2:])  # order-free
+    assert not torch.equal(first, position_uniforms(124, [0, 1, 2]))
+    assert len(set(first.tolist())) == 3 and bool(((first >= 0) & (first < 1)).all())
+    torch.testing.assert_close(sample_with_uniforms(probs, first),
+                               sample_with_uniforms(probs, position_uniforms(123, [0, 1, 2])))
+
+
+def test_position_uniforms_are_uniform_and_independent():
+    # 20000 (seed, position) pairs: the mean and the lag-1 correlation of a U(0, 1) sample,
+    # and the fraction in each tenth, within four standard errors.
+    values = torch.cat([position_uniforms(seed, range(20)) for seed in range(1000)]).numpy()
+    assert abs(values.mean() - 0.5) < 4 * (1 / 12 / values.size) ** 0.5
+    pairs = values.reshape(1000, 20)
+    correlation = np.corrcoef(pairs[:, :-1].ravel(), pairs[:, 1:].ravel())[0, 1]
+    assert abs(correlation) < 4 / pairs[:, 1:].size ** 0.5
+    tenths = np.bincount((values * 10).astype(int), minlength=10) / values.size
+    assert np.all(np.abs(tenths - 0.1) < 4 * (0.09 / values.size) ** 0.5)
 
 
 def test_sample_tokens_follows_weights_and_never_draws_zero_mass():
