@@ -84,7 +84,9 @@ def references(name: str, limit: int, max_tokens: int, dtype: str, batch_size: i
     sequences = [engine.add_request(GenerateRequest(tuple(p), max_tokens)) for p in prompts]
     progress = tqdm(total=len(prompts), desc=f"greedy answers ({name})", unit="prompt")
     while engine.has_work():
-        progress.update(len(engine.step().finished))
+        finished = engine.step().finished
+        if finished:
+            progress.update(len(finished))
     progress.close()
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".tmp")

@@ -75,7 +75,8 @@ class Run:
             mode=mode, max_batch_size=batch, budget_policy=policy, max_len=max_len,
             drafter_target=drafter_target, drafter_timeout_s=5.0,
             datastore_dir=str(datastore) if mode == "sssd" and datastore else None,
-            profile_path=str(profile_path), dtype=str(loaded.dtype).removeprefix("torch."))
+            profile_path=str(profile_path), reuse_acceptance=False,
+            dtype=str(loaded.dtype).removeprefix("torch."))
         self.engine = build_engine(config, loaded)
         self.engine.generate(warmup, 8)  # allocator, kernels, drafter connection
         self.engine.stats = EngineStats()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from sssd.common.ports import GENERATE_PORT
 
@@ -87,7 +88,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 # `sssd serve` takes every Generate API and engine setting as a flag; its own defaults:
-SERVE_ENGINE_DEFAULTS = {"budget_policy": "measured"}
+SERVE_ENGINE_DEFAULTS = {"budget_policy": "measured",
+                         "profile_path": str(Path("var/profiles/forward.json").absolute())}
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

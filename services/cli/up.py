@@ -13,8 +13,9 @@
     5. the gRPC Generate API (health, reflection) on 127.0.0.1:50061.
 
 It prints where to connect, where the Ray dashboard and the Prometheus endpoints are, answers a
-check prompt through the API with speculation and again without, printing the measured speedup,
-and serves until Ctrl-C or SIGTERM (then drains). `--once` stops after the check; `--no-live`
+check prompt through the API (cli/check.py: the first steps' budgets and accepted drafts, the
+speedup over speculation off measured side by side, and whether the outputs are identical, with
+an exact float32 check), and serves until Ctrl-C or SIGTERM (then drains). `--once` stops after the check; `--no-live`
 leaves out Redis and the indexer.
 
 Ray authentication is on (`--ray-auth token`, the default): Ray's own ports listen on every
@@ -38,35 +39,6 @@ logger = logging.getLogger(__name__)
 DEMO_PROMPT = "Explain in three sentences why the sky is blue."
 
 
-def demo(target: str, prompt: str, max_tokens: int) -> None:
-    """Streams the answer with speculation, then asks again with speculation off and prints
-    the measured speedup (both through the API, one request at a time)."""
-    from sssd.client import GenerationClient
-
-    print(f"\n>>> {prompt}\n", flush=True)
-    totals, token_ids = None, []
-    with GenerationClient(target) as client:
-        for chunk in client.stream(prompt, max_tokens=max_tokens):
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-            token_ids += chunk.token_ids
-            totals = chunk.totals or totals
-        if totals is None:
-            return
-        print(f"\n\n[SSSD: {totals.completion_tokens} tokens ({totals.finish_reason}); first "
-              f"token after {totals.time_to_first_token_s:.2f} s; {totals.tokens_per_second:.1f} "
-              f"tokens/s; {totals.mean_accepted_length:.2f} tokens per verification step]",
-              flush=True)
-        plain = client.generate(prompt, max_tokens=max_tokens, speculation="off")
-    if plain.totals is None or not plain.totals.tokens_per_second:
-        return
-    same = "identical" if plain.token_ids == token_ids else \
-        "different (a bfloat16 near-tie; --dtype float32 breaks ties exactly)"
-    print(f"[speculation off: {plain.totals.tokens_per_second:.1f} tokens/s; speedup "
-          f"{totals.tokens_per_second / plain.totals.tokens_per_second:.2f}x; outputs {same}]",
-          flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sssd up", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
 FRONTEND_FLAGS = ("host", "port", "max_requests", "max_tokens_limit", "default_max_tokens",
                   "grace_s")
 ENGINE_EXCLUDED = ("mode", "drafter_target", "datastore_dir")  # set by the stack itself
-ENGINE_DEFAULTS = {"budget_policy": "measured", "max_len": 2048}
+# The measured policy's profile and acceptance statistics persist across starts.
+ENGINE_DEFAULTS = {"budget_policy": "measured", "max_len": 2048,
+                   "profile_path": str(Path("var/profiles/forward.json").absolute())}
 INDEXER_FLAGS = ("build_tokens", "build_interval_s")
 INDEXER_DEFAULTS = {"build_tokens": 20_000, "build_interval_s": 30.0}
 
@@ -118,10 +92,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check = parser.add_argument_group("the check prompt")
     check.add_argument("--prompt", default=DEMO_PROMPT, help=f"(default {DEMO_PROMPT!r})")
     check.add_argument("--max-tokens", type=int, default=96, help="of its answer (default 96)")
+    check.add_argument("--check-rounds", type=int, default=3,
+                       help="answers with and without speculation for the speedup (default 3)")
+    check.add_argument("--no-exact-check", action="store_true",
+                       help="skip the float32 exactness check in this process (about 20 s)")
     check.add_argument("--once", action="store_true", help="stop after answering it")
 
 
 def run(args: argparse.Namespace) -> int:
+    from sssd.cli.check import run_check
     from sssd.cli.datastores import NoDatastore, pick_datastore
     from sssd.cli.processes import start_drafter, start_indexer, stop_process
     from sssd.common.flags import from_args
@@ -200,7 +179,9 @@ def run(args: argparse.Namespace) -> int:
               f"      try: .venv/bin/sssd generate --target {target} \"your prompt\"",
               flush=True)
         print("[5/5] a check prompt through the API", flush=True)
-        demo(target, args.prompt, args.max_tokens)
+        run_check(target, args.prompt, args.max_tokens, max(1, args.check_rounds),
+                  None if args.no_exact_check else f"{args.host}:{args.drafter_port}",
+                  args.model)
         if not args.once:
             print("\nserving; Ctrl-C stops (running requests get "
                   f"{args.grace_s:.0f} s to finish)", flush=True)

@@ -5,14 +5,17 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 
 from sssd.common.model_loader import LoadedModel, load_causal_lm
 from sssd.verifier.engine.budget_policy import (
+    DEFAULT_ACCEPTANCE_PRIOR,
     BudgetPolicy,
     FixedBudget,
     ForwardProfile,
     MeasuredBudget,
     RuleBudget,
+    load_acceptance,
     profile_forward,
     profiled_batches,
 )
@@ -24,23 +27,39 @@ from sssd.verifier.proposers import make_proposer
 logger = logging.getLogger(__name__)
 
 
+def acceptance_path(profile_path: str, mode: str) -> str:
+    """Where the measured policy keeps its acceptance statistics: beside the profile, one file
+    per drafting mode (what is accepted depends on who drafts)."""
+    return f"{Path(profile_path).with_suffix('')}.{mode}.acceptance.json"
+
+
 def make_budget_policy(config: EngineConfig, runner: ModelRunner,
-                       speculates: bool = True) -> BudgetPolicy:
-    """`speculates`: False for an engine without a proposer, which always decodes one token."""
+                       speculates: bool = True, model_name: str = "") -> BudgetPolicy:
+    """`speculates`: False for an engine without a proposer, which always decodes one token.
+
+    The measured policy's profile is reused from `profile_path` when it was measured with the
+    same model, dtype and torch threads and covers the batch sizes; its prior is the acceptance
+    saved beside it by an earlier run, else the built-in one."""
     if not speculates:
         return FixedBudget(1)
     if config.budget_policy == "rule":
         return RuleBudget(config.knee_intensity, config.max_budget)
+    import torch
+
+    setting = {"model": model_name, "dtype": config.dtype, "torch_threads": torch.get_num_threads()}
+    prior, stats_path = DEFAULT_ACCEPTANCE_PRIOR, None
     if config.profile_path:
-        try:
-            profile = ForwardProfile.load(config.profile_path)
-        except FileNotFoundError:
-            profile = None
+        stats_path = acceptance_path(config.profile_path, config.mode)
+        saved = load_acceptance(stats_path) if config.reuse_acceptance else None
+        if saved is not None:
+            logger.info("acceptance prior from %s", stats_path)
+            prior = saved
+        profile = ForwardProfile.load(config.profile_path, setting)
         # A profile made with fewer KV slots lacks the larger batches: measure again.
         if profile is not None and \
                 set(profiled_batches(config.max_batch_size)) <= set(profile.batches):
             logger.info("loaded forward profile %s", config.profile_path)
-            return MeasuredBudget(profile, config.max_budget)
+            return MeasuredBudget(profile, config.max_budget, prior=prior, stats_path=stats_path)
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load > 0.5 * cores:
         logger.warning("profiling the forward pass on a busy machine (load %.1f on %d cores): "
@@ -49,8 +68,9 @@ def make_budget_policy(config: EngineConfig, runner: ModelRunner,
     profile = profile_forward(runner, config.max_batch_size)
     logger.info("profiled the forward pass in %.1f s", time.perf_counter() - start)
     if config.profile_path:
-        profile.save(config.profile_path)
-    return MeasuredBudget(profile, config.max_budget)
+        Path(config.profile_path).parent.mkdir(parents=True, exist_ok=True)
+        profile.save(config.profile_path, setting)
+    return MeasuredBudget(profile, config.max_budget, prior=prior, stats_path=stats_path)
 
 
 def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
@@ -68,7 +88,8 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
     return Engine(
         runner,
         eos_token_ids=loaded.eos_token_ids,
-        budget_policy=make_budget_policy(config, runner, speculates=proposer is not None),
+        budget_policy=make_budget_policy(config, runner, speculates=proposer is not None,
+                                         model_name=loaded.name),
         proposer=proposer,
         detokenize=decode if detokenize else None,
         max_batch_size=config.max_batch_size,

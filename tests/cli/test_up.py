@@ -16,7 +16,7 @@ def test_sssd_up_once_serves_a_prompt_and_stops(tmp_path, warm_datastore, free_p
                "--port", str(free_port()), "--drafter-port", str(free_port()),
                "--dashboard-port", "0", "--metrics-port", str(free_port()),
                "--max-batch-size", "2", "--max-len", "512", "--max-tokens", "12",
-               "--prompt", "Name a colour.", "--redis-port", str(free_port()),
+               "--prompt", "Name a colour.", "--check-rounds", "1", "--redis-port", str(free_port()),
                "--indexer-port", str(free_port()), "--indexer-metrics-port", str(free_port()),
                "--build-tokens", "1", "--build-interval-s", "1"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
@@ -29,14 +29,18 @@ def test_sssd_up_once_serves_a_prompt_and_stops(tmp_path, warm_datastore, free_p
                  "[3/5] starting Ray (1 prefill + 1 decode workers, auth token)",
                  "[4/5] serving the Generate API on 127.0.0.1:", ">>> Name a colour."):
         assert step in out, out
-    assert "tokens per verification step]" in out  # the answer's totals came back
-    assert "[speculation off: " in out and "x; outputs " in out  # and the measured speedup
-    # The two answers were published, and the indexer put them into the live datastore.
+    assert "[speculation: " in out and "tokens per step; first steps: budget " in out
+    assert "[speedup " in out and "answers each to this prompt, alternating" in out
+    assert "[outputs with and without speculation: " in out
+    assert "[exact check, float32 in this process: " in out
+    assert "to plain greedy decoding" in out and "DIFFERENT" not in out
+    # The three answers (streamed, off, on) were published, and the indexer put them into the
+    # live datastore.
     from sssd.datastore.build import read_documents
 
     live = read_documents(tmp_path / "var" / "live" / "datastore")
     seeded = read_documents(warm_datastore)
-    assert live[: len(seeded)] == seeded and len(live) == len(seeded) + 2
+    assert live[: len(seeded)] == seeded and len(live) == len(seeded) + 3
     token_file = tmp_path / "var" / "ray" / "auth_token"
     assert f"token in {token_file}" in out
     assert token_file.stat().st_mode & 0o777 == 0o600

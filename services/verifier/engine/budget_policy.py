@@ -26,6 +26,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUDGETS = (1, 2, 4, 8, 16, 32)
+# Draft tokens accepted per step at each budget, the measured policy's prior before it has seen
+# a step of its own: SSSD on the ShareGPT datastore the main job builds, replaying
+# SmolLM2-135M's greedy answers to MT-Bench (`python bench/draft_quality.py --sets mt_bench
+# --budgets 2,4,8,16,32`: 0.433, 0.825, 1.101, 1.306, 1.459), rounded down.
+DEFAULT_ACCEPTANCE_PRIOR = {1: 0.0, 2: 0.43, 4: 0.82, 8: 1.1, 16: 1.3, 32: 1.45}
+PRIOR_WEIGHT = 8  # the prior counts as this many observed steps
+SAVE_EVERY = 100  # observed steps between saves of the acceptance statistics
 DEFAULT_BATCHES = (1, 2, 4, 8)
 PROFILE_CONTEXT = 256  # cached tokens per sequence while profiling the forward pass
 
@@ -96,16 +103,34 @@ class ForwardProfile:
         seconds = np.maximum.accumulate(np.median(samples, axis=0), axis=1)
         return cls(batches, budgets, seconds)
 
-    def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            json.dump({"batches": self.batches, "budgets": self.budgets,
-                       "seconds": self.seconds.tolist(), "measured_at": time.time()}, f)
+    def save(self, path: str | os.PathLike, setting: dict | None = None) -> None:
+        """Writes the profile atomically; `setting` says what it was measured with (model,
+        dtype, threads), so that `load` can refuse it for another."""
+        _write_json(path, {"batches": self.batches, "budgets": self.budgets,
+                           "seconds": self.seconds.tolist(), "measured_at": time.time(),
+                           "setting": setting or {}})
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "ForwardProfile":
-        with open(path) as f:
-            raw = json.load(f)
+    def load(cls, path: str | os.PathLike, setting: dict | None = None) -> "ForwardProfile | None":
+        """The saved profile, or None when there is none or it was measured with another
+        setting."""
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            return None
+        if setting is not None and raw.get("setting") != setting:
+            logger.info("forward profile %s was measured with %s, not %s: measuring again",
+                        path, raw.get("setting"), setting)
+            return None
         return cls(raw["batches"], raw["budgets"], np.asarray(raw["seconds"]))
+
+
+def _write_json(path: str | os.PathLike, payload: dict) -> None:
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w") as f:
+        json.dump(payload, f)
+    os.replace(temporary, path)
 
 
 class MeasuredBudget:
@@ -122,14 +147,20 @@ class MeasuredBudget:
     verification times it observes (a moving average per (b, s_q)) replace the profile's, which
     was measured on one synthetic context length.
 
-    Larger budgets than the one in use are learned by exploration: the first step runs at the
-    largest budget (measuring all of them at once), and every `explore_every`-th step runs at
-    the next larger budget than the best. Near-ties go to the smaller budget: it costs less
-    drafting and cache room for nothing.
+    The estimates start from a prior (acceptance statistics saved by an earlier run, else
+    DEFAULT_ACCEPTANCE_PRIOR), which counts as PRIOR_WEIGHT steps: a fresh server speculates
+    from its first step and learns its own acceptance from there. Without a prior the first step
+    runs at the largest budget (measuring all of them at once). Larger budgets than the one in
+    use are learned by exploration: every `explore_every`-th step runs at the next larger budget
+    than the best. Near-ties go to the smaller budget: it costs less drafting and cache room for
+    nothing. With `stats_path` the estimates are saved every SAVE_EVERY steps, to be the next
+    start's prior.
     """
 
     def __init__(self, profile: ForwardProfile, max_budget: int, decay: float = 0.05,
-                 explore_every: int = 8, tie_tolerance: float = 0.03) -> None:
+                 explore_every: int = 8, tie_tolerance: float = 0.03,
+                 prior: dict[int, float] | None = None,
+                 stats_path: str | os.PathLike | None = None) -> None:
         self.profile = profile
         self.candidates = sorted(((j, s) for j, s in enumerate(profile.budgets) if s <= max_budget),
                                  key=lambda candidate: candidate[1])  # ascending budgets
@@ -142,8 +173,15 @@ class MeasuredBudget:
         self.tie_tolerance = tie_tolerance
         # Mean accepted draft tokens per row at each budget; None until first observed.
         self.expected_accepted: dict[int, float | None] = {s: None for _, s in self.candidates}
+        self._weights = {s: 0 for _, s in self.candidates}  # steps behind each estimate
+        for s in self.expected_accepted:
+            if prior is not None and s in prior:
+                self.expected_accepted[s] = float(prior[s])
+                self._weights[s] = PRIOR_WEIGHT
         self.observed_seconds: dict[tuple[int, int], float] = {}  # (b, s) -> moving average
+        self.stats_path = stats_path
         self._num_calls = 0
+        self._num_observed = 0
 
     def budget(self, batch_size: int) -> int:
         self._num_calls += 1
@@ -177,8 +215,31 @@ class MeasuredBudget:
                 break
             mean = float(np.mean([sum(1 for node in path if node < s)
                                   for path in accepted_nodes]))
+            # A running mean while few steps are behind the estimate, then a moving average.
+            self._weights[s] += 1
+            rate = max(self.decay, 1.0 / self._weights[s])
             old = self.expected_accepted[s]
-            self.expected_accepted[s] = mean if old is None else old + self.decay * (mean - old)
+            self.expected_accepted[s] = mean if old is None else old + rate * (mean - old)
+        self._num_observed += 1
+        if self.stats_path is not None and self._num_observed % SAVE_EVERY == 0:
+            self.save_stats(self.stats_path)
+
+    def save_stats(self, path: str | os.PathLike) -> None:
+        """The acceptance estimates, as the prior of a later start (`load_acceptance`)."""
+        _write_json(path, {"expected_accepted": {str(s): v for s, v
+                                                 in self.expected_accepted.items()
+                                                 if v is not None},
+                           "saved_at": time.time()})
+
+
+def load_acceptance(path: str | os.PathLike) -> dict[int, float] | None:
+    """Acceptance estimates saved by `MeasuredBudget.save_stats`, or None."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+        return {int(s): float(v) for s, v in raw["expected_accepted"].items()}
+    except (FileNotFoundError, KeyError, ValueError, json.JSONDecodeError):
+        return None
 
 
 def profiled_batches(max_batch_size: int) -> list[int]:

@@ -42,7 +42,11 @@ class EngineConfig:
     datastore_dir: str | None = option(
         None, "datastore of the in-process drafter (mode sssd)", aliases=("--datastore",))
     profile_path: str | None = option(
-        None, "saved forward-pass profile of the measured policy (made when missing)")
+        None, "saved forward-pass profile of the measured policy (made when missing); its "
+        "acceptance statistics are kept beside it and are the next start's prior")
+    reuse_acceptance: bool = option(
+        True, "start the measured policy from the acceptance statistics saved beside the "
+        "profile (else from the built-in prior)")
 
     def __post_init__(self) -> None:
         checks = [

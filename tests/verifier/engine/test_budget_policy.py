@@ -4,10 +4,13 @@ import numpy as np
 import pytest
 
 from sssd.verifier.engine.budget_policy import (
+    DEFAULT_ACCEPTANCE_PRIOR,
+    SAVE_EVERY,
     FixedBudget,
     ForwardProfile,
     MeasuredBudget,
     RuleBudget,
+    load_acceptance,
 )
 
 
@@ -95,3 +98,36 @@ def test_observed_step_times_replace_the_profile():
     assert policy.observed_seconds[(1, 16)] == pytest.approx(0.045, rel=1e-3)
     assert policy.budget(1) == 16
     assert policy.budget(2) == 8  # nothing observed at b = 2: the profile still decides
+
+
+def test_a_prior_makes_the_first_step_speculate():
+    policy = MeasuredBudget(flat_then_linear_profile(), max_budget=32,
+                            prior=DEFAULT_ACCEPTANCE_PRIOR)
+    # No blind first step at the largest budget: the prior already prices every budget, and
+    # on a flat profile budget 16 pays at b = 1.
+    assert policy.budget(1) == 16
+    # The prior counts as PRIOR_WEIGHT steps: a few observed steps move it, not replace it.
+    policy.observe(1, 16, [[]], 0.04)
+    assert 0 < policy.expected_accepted[16] < DEFAULT_ACCEPTANCE_PRIOR[16]
+
+
+def test_acceptance_statistics_are_saved_and_become_the_next_prior(tmp_path):
+    path = tmp_path / "forward.sssd.acceptance.json"
+    policy = MeasuredBudget(flat_then_linear_profile(), max_budget=32,
+                            prior=DEFAULT_ACCEPTANCE_PRIOR, stats_path=path)
+    for _ in range(SAVE_EVERY):
+        policy.observe(1, 32, [[1, 3, 7, 15, 31]], 0.04)
+    saved = load_acceptance(path)
+    assert saved == pytest.approx({s: v for s, v in policy.expected_accepted.items()})
+    assert saved[32] > 4 > DEFAULT_ACCEPTANCE_PRIOR[32]
+    assert load_acceptance(tmp_path / "missing.json") is None
+
+
+def test_a_profile_measured_with_another_setting_is_not_reused(tmp_path):
+    profile = flat_then_linear_profile()
+    setting = {"model": "m", "dtype": "bfloat16", "torch_threads": 2}
+    profile.save(tmp_path / "p.json", setting)
+    assert ForwardProfile.load(tmp_path / "p.json", setting) is not None
+    assert ForwardProfile.load(tmp_path / "p.json", {**setting, "dtype": "float32"}) is None
+    assert ForwardProfile.load(tmp_path / "p.json", {**setting, "torch_threads": 1}) is None
+    assert ForwardProfile.load(tmp_path / "absent.json", setting) is None

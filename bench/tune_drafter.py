@@ -1,0 +1,96 @@
+"""Tunes the drafter's constants on held-out data by replay (bench/draft_quality.py).
+
+Coordinate descent over the constants of ALGORITHM.md, scored by the mean tokens per step over
+the budgets on the `sharegpt-tune` set (first turns of ShareGPT records 12,000-14,999, outside
+the ShareGPT datastore, which holds records 0-11,999). MT-Bench and the code set are never
+used here; score the result on them afterwards with draft_quality.py.
+
+    python bench/tune_drafter.py --prompts 200 --budgets 4,8,16,32
+
+Prints one JSON object per evaluated configuration, then {"best": ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from draft_quality import references, replay  # noqa: E402
+
+# The values tried for each constant, in the order they are swept.
+GRID = {
+    "input_discount": [0.3, 0.45, 0.6, 0.8, 1.0],
+    "input_child_discount_base": [0.4, 0.5, 0.6, 0.7, 0.8, 0.9],
+    "input_child_discount_per_match": [0.0, 0.025, 0.05, 0.1],
+    "datastore_child_discount": [0.7, 0.8, 0.9, 1.0],
+    "branch_len": [6, 8, 10, 12, 16],
+    "prefix_len": [3, 4, 5, 6],
+    "min_continuations": [10, 25, 50, 100, 200],
+    "max_continuations": [50, 100, 200, 400],
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompts", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--budgets", default="4,8,16,32")
+    parser.add_argument("--passes", type=int, default=2, help="sweeps over every constant")
+    parser.add_argument("--datastore", type=Path, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+
+    from sssd.cli.datastores import pick_datastore
+    from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
+    from sssd.drafter.config import DraftParams, DrafterConfig
+    from sssd.drafter.drafter import Drafter
+
+    tokenizer = load_tokenizer(None)
+    datastore = args.datastore or pick_datastore(None, tokenizer)
+    pairs = references("sharegpt-tune", args.prompts, args.max_tokens, "bfloat16", 8)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    scores: dict[tuple, float] = {}
+
+    def score(values: dict) -> float | None:
+        key = tuple(sorted(values.items()))
+        if key in scores:
+            return scores[key]
+        try:
+            params = DraftParams(**values)
+        except ValueError:
+            return None  # e.g. base + per_match * prefix_len > 1
+        config = DrafterConfig(datastore_dir=str(datastore), vocab_size=vocab_size(tokenizer),
+                               tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+                               params=params)
+        with Drafter(config) as drafter:
+            per_budget = {b: replay(drafter, pairs, b)["tokens_per_step"] for b in budgets}
+        scores[key] = sum(per_budget.values()) / len(per_budget)
+        print(json.dumps({"params": values, "tokens_per_step": per_budget,
+                          "mean": scores[key]}), flush=True)
+        return scores[key]
+
+    defaults = {f.name: f.default for f in dataclasses.fields(DraftParams)}
+    best = dict(defaults)
+    best_score = score(best)
+    for _ in range(args.passes):
+        improved = False
+        for name, values in GRID.items():
+            for value in values:
+                candidate = {**best, name: value}
+                result = score(candidate)
+                if result is not None and result > best_score + 1e-4:
+                    best, best_score, improved = candidate, result, True
+        if not improved:
+            break
+    changed = {k: v for k, v in best.items() if v != defaults[k]}
+    print(json.dumps({"best": changed, "mean": best_score,
+                      "default_mean": scores[tuple(sorted(defaults.items()))]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
