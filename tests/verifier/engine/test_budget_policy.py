@@ -131,3 +131,18 @@ def test_a_profile_measured_with_another_setting_is_not_reused(tmp_path):
     assert ForwardProfile.load(tmp_path / "p.json", {**setting, "dtype": "float32"}) is None
     assert ForwardProfile.load(tmp_path / "p.json", {**setting, "torch_threads": 1}) is None
     assert ForwardProfile.load(tmp_path / "absent.json", setting) is None
+
+
+def test_a_clear_loser_is_explored_rarely_and_a_close_one_often():
+    # Step time linear in the budget from s = 1 (a CPU without fast multi-row GEMMs): with the
+    # prior's acceptance, budget 2 yields 1.43 tokens for twice the time, far behind budget 1.
+    batches, budgets = [1], [1, 2, 4]
+    linear = ForwardProfile(batches, budgets, np.array([[0.04 * s for s in budgets]]))
+    policy = MeasuredBudget(linear, max_budget=4, prior=DEFAULT_ACCEPTANCE_PRIOR)
+    chosen = [policy.budget(1) for _ in range(128)]
+    assert chosen.count(2) == 2 and set(chosen) == {1, 2}  # every 64th step, not every 8th
+    # A flat profile up to budget 2: budget 2 is the best, budget 4 close behind it.
+    flat = ForwardProfile(batches, budgets, np.array([[0.04, 0.04, 0.06]]))
+    policy = MeasuredBudget(flat, max_budget=4, prior={1: 0.0, 2: 0.43, 4: 0.82})
+    chosen = [policy.budget(1) for _ in range(64)]
+    assert chosen.count(4) == 8 and set(chosen) == {2, 4}
