@@ -61,6 +61,12 @@ def run_check(target: str, prompt: str, max_tokens: int, rounds: int,
         shown = ", ".join(f"budget {b}: {a} accepted" for b, a in steps[:FIRST_STEPS])
         print(f"\n\n[speculation: {len(first.token_ids)} tokens in {len(steps)} verification "
               f"steps, {per_step:.2f} tokens per step; first steps: {shown}]", flush=True)
+        if steps and max(b for b, _ in steps) <= 1:
+            print("[the measured budget policy ran this answer without drafts: on this machine "
+                  "its profile (var/profiles/forward.json) prices a draft tree above the tokens "
+                  "it is expected to add. Multi-row bfloat16 matmuls are slow on CPUs without "
+                  "AVX512-BF16 or AMX; --dtype float32, a larger batch or a GPU change that]",
+                  flush=True)
         on, off = [], []
         for _ in range(rounds):
             off.append(ask(client, prompt, max_tokens, "off"))

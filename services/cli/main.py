@@ -16,8 +16,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
+
+# `sssd up` starts Ray, Redis and services as subprocesses while its gRPC channels are open; with
+# gRPC's fork handlers on, every start logs "skipping fork() handlers". Nothing here forks a
+# process that then uses gRPC, so the handlers are not needed. Read when grpc is first imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from sssd.common.ports import GENERATE_PORT
 

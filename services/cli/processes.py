@@ -15,7 +15,9 @@ def start_service(name: str, command: list[str], host: str, port: int,
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    # Its own session: Ctrl-C reaches only `sssd up`, which stops the children in order (the API
+    # drains and publishes before the indexer and Redis go).
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(f"{host}:{port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)

@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     from sssd.cli.datastores import NoDatastore, pick_datastore
     from sssd.cli.processes import start_drafter, start_indexer, stop_process
     from sssd.common.flags import from_args
+    from sssd.common.ports import busy_ports
     from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
     from sssd.datastore.build import link_datastore
     from sssd.datastore.manifest import read_manifest
@@ -123,6 +124,18 @@ def run(args: argparse.Namespace) -> int:
         from_args(FrontendConfig, args, include=FRONTEND_FLAGS, **frontend_values)  # validates
     except ValueError as exc:
         print(f"sssd up: error: {exc}", file=sys.stderr)
+        return 2
+    ports = {"--port": args.port, "--drafter-port": args.drafter_port,
+             "--dashboard-port": args.dashboard_port, "--metrics-port": args.metrics_port}
+    if not args.no_live:
+        ports |= {"--indexer-port": args.indexer_port,
+                  "--indexer-metrics-port": args.indexer_metrics_port}
+        if args.redis_url == "embedded":
+            ports["--redis-port"] = args.redis_port
+    problems = busy_ports(args.host, ports)
+    if problems:
+        for problem in problems:
+            print(f"sssd up: error: {problem}", file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(args.model)
     vocab, fingerprint = vocab_size(tokenizer), tokenizer_fingerprint(tokenizer)

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     config = DrafterConfig.from_args(argv)
-    logger.info("config: %s", config)
+    logger.debug("config: %s", config)
     serve(config)
 
 

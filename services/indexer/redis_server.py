@@ -56,8 +56,10 @@ class RedisServer:
                    "--dir", str(self.directory), "--appendonly", "yes",
                    "--appendfsync", "everysec", "--save", "", "--protected-mode", "yes",
                    "--daemonize", "no", "--logfile", str(self.directory / "redis.log")]
+        # Its own session: a Ctrl-C of the parent does not stop Redis before the parent's
+        # publishers flush; the parent stops it (stop()) when they are done.
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
+                                        stderr=subprocess.DEVNULL, start_new_session=True)
         client = redis.Redis.from_url(self.url, socket_timeout=1.0)
         deadline = time.monotonic() + timeout_s
         while True:

@@ -1,6 +1,7 @@
 """`sssd up --once`, the README's main job: the whole local stack answers through the API."""
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +53,22 @@ def test_sssd_up_refuses_auth_disabled_off_loopback(tmp_path):
                            "0.0.0.0"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "loopback" in done.stderr
+
+
+def test_sssd_up_names_a_taken_port_before_starting_anything(tmp_path, free_port):
+    sssd = Path(sys.executable).with_name("sssd")
+    with socket.socket() as other:  # another process's server on the metrics port
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        drafter_port = free_port()
+        done = subprocess.run(
+            [str(sssd), "up", "--once", "--metrics-port", str(taken), "--drafter-port",
+             str(drafter_port), "--indexer-port", str(drafter_port)],
+            cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert f"port {taken} (--metrics-port) is in use by another process; pick another with " \
+        "--metrics-port PORT" in done.stderr
+    assert f"port {drafter_port} is given to both --drafter-port and --indexer-port" \
+        in done.stderr
+    assert not (tmp_path / "var").exists()  # nothing was started or written
