@@ -65,7 +65,7 @@ def run_check(target: str, prompt: str, max_tokens: int, rounds: int,
             print("[the measured budget policy ran this answer without drafts: on this machine "
                   "its profile (var/profiles/forward.json) prices a draft tree above the tokens "
                   "it is expected to add. Multi-row bfloat16 matmuls are slow on CPUs without "
-                  "AVX512-BF16 or AMX; --dtype float32, a larger batch or a GPU change that]",
+                  "AVX512-BF16 or AMX; --dtype float32 or a GPU changes that]",
                   flush=True)
         on, off = [], []
         for _ in range(rounds):
