@@ -1,6 +1,7 @@
-"""End-to-end decoding speed: autoregressive vs prompt-lookup vs SSSD, greedy, on MT-Bench.
+"""End-to-end decoding speed: autoregressive vs prompt-lookup vs SSSD, greedy, on MT-Bench or code.
 
-For each batch size, the engine decodes all the MT-Bench first turns (chat template applied)
+For each batch size, the engine decodes the prompt set's prompts (`--set mt_bench`: MT-Bench
+first turns; `--set code`: bench/data/code_prompts.jsonl; chat template applied)
 with continuous batching at that batch size, `--max-tokens` new tokens each, greedy. Modes:
 `ar` (no speculation, the baseline), `prompt_lookup` (input trie only) and `sssd` (input trie +
 datastore), the last two under both budget policies (`rule`, `measured`). Every configuration
@@ -21,7 +22,9 @@ Prints one JSON object per (mode, batch, policy) on stdout:
   same_as_ar                  prompts whose output equals ar's at the same batch size (bf16
                               ties can flip argmax between batch shapes; float32 is exact, see
                               tests/verifier/test_engine_greedy.py)
-and, with `--hf-prompts`, one row for transformers' own `generate()` at batch size 1.
+and, with `--hf-prompts`, two rows at batch size 1 for transformers' own `generate()`, plain and
+with its prompt-lookup decoding (`prompt_lookup_num_tokens=10`), alternating prompt by prompt;
+the second carries `speedup_over_hf_generate`.
 A PNG of speedup vs batch size goes to `--png`.
 
     python bench/e2e.py --datastore var/self-outputs/datastore-3000 --png bench/e2e.png
@@ -40,11 +43,14 @@ from pathlib import Path
 
 import torch
 
-from sssd.common.corpus import first_turns, prompt_token_ids, read_mt_bench
+from sssd.common.corpus import prompt_token_ids
 from sssd.common.model_loader import LoadedModel, load_causal_lm
 from sssd.datastore.manifest import read_manifest
 from sssd.verifier.engine import EngineConfig, EngineStats
 from sssd.verifier.factory import build_engine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prompt_sets import SETS, prompt_texts  # noqa: E402
 
 logger = logging.getLogger("e2e")
 
@@ -129,19 +135,40 @@ def start_drafters(loaded: LoadedModel, datastores: set[Path | None]) -> dict[Pa
     return servers
 
 
-def hf_generate_row(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> dict:
-    """transformers' generate(), greedy, one prompt at a time, after one warm-up call."""
+HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
+
+
+def hf_generate_rows(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """transformers' own generate(), greedy, one prompt at a time: plain, and with its prompt-
+    lookup decoding (`prompt_lookup_num_tokens`), the peer a user of this model would reach for.
+    The two alternate prompt by prompt after one warm-up call each, so the ratio between them is
+    measured side by side."""
     model = loaded.model
+    kinds = {"hf_generate": {}, "hf_prompt_lookup":
+             {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS}}
+    elapsed = {kind: [] for kind in kinds}
+    outputs = {kind: [] for kind in kinds}
     with torch.inference_mode():
-        model.generate(torch.tensor([prompts[0]]), do_sample=False, max_new_tokens=8)
-        start, num_tokens = time.perf_counter(), 0
+        for extra in kinds.values():
+            model.generate(torch.tensor([prompts[0]]), do_sample=False, max_new_tokens=8, **extra)
         for prompt in prompts:
-            out = model.generate(torch.tensor([prompt]), do_sample=False,
-                                 max_new_tokens=max_tokens)
-            num_tokens += out.shape[1] - len(prompt)
-        elapsed = time.perf_counter() - start
-    return {"mode": "hf_generate", "batch": 1, "policy": None, "tok_s": num_tokens / elapsed,
-            "elapsed_s": elapsed, "num_tokens": num_tokens, "num_prompts": len(prompts)}
+            for kind, extra in kinds.items():
+                start = time.perf_counter()
+                out = model.generate(torch.tensor([prompt]), do_sample=False,
+                                     max_new_tokens=max_tokens, **extra)
+                elapsed[kind].append(time.perf_counter() - start)
+                outputs[kind].append(out[0, len(prompt):].tolist())
+    rows = []
+    for kind in kinds:
+        num_tokens = sum(len(o) for o in outputs[kind])
+        rows.append({"mode": kind, "batch": 1, "policy": None,
+                     "tok_s": num_tokens / sum(elapsed[kind]), "elapsed_s": sum(elapsed[kind]),
+                     "num_tokens": num_tokens, "num_prompts": len(prompts)})
+    plain, lookup = rows
+    lookup["speedup_over_hf_generate"] = lookup["tok_s"] / plain["tok_s"]
+    lookup["same_as_hf_generate"] = sum(a == b for a, b in zip(outputs["hf_prompt_lookup"],
+                                                               outputs["hf_generate"]))
+    return rows
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -191,7 +218,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="datastore for sssd (default: the largest var/self-outputs/datastore-N)")
     parser.add_argument("--extra-datastore", type=Path, default=None,
                         help="a second datastore, run as one more sssd configuration (measured)")
-    parser.add_argument("--prompts", type=int, default=80, help="MT-Bench first turns (80)")
+    parser.add_argument("--set", default="mt_bench", choices=SETS[:2],
+                        help="prompt set: mt_bench first turns (default) or the code set")
+    parser.add_argument("--prompts", type=int, default=80, help="prompts of the set (80)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", default="1,4,8")
     parser.add_argument("--modes", default="ar,prompt_lookup,sssd")
@@ -226,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
 
     loaded = load_causal_lm(None, args.dtype)
     prompts = [prompt_token_ids(loaded.tokenizer, text)
-               for text in first_turns(read_mt_bench())[: args.prompts]]
+               for text in prompt_texts(args.set, args.prompts)]
     max_len = max(len(p) for p in prompts) + args.max_tokens + 64
     chunks = [prompts[i::args.chunks] for i in range(args.chunks)]  # mixed lengths in each
     servers = start_drafters(loaded, {ds for mode, _, ds in configs if mode != "ar"}) \
@@ -234,9 +263,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     try:
         if args.hf_prompts:
-            row = hf_generate_row(loaded, prompts[: args.hf_prompts], args.max_tokens)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+            for row in hf_generate_rows(loaded, prompts[: args.hf_prompts], args.max_tokens):
+                row.update(prompt_set=args.set, dtype=args.dtype)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
         for batch in [int(b) for b in args.batch_sizes.split(",")]:
             runs = []
             for mode, policy, ds in configs:
@@ -261,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
                     row["speedup_median_chunk"] = statistics.median(speedups)
                     row["speedup_chunks"] = [round(x, 3) for x in speedups]
                     row["same_as_ar"] = sum(a == b for a, b in zip(run.outputs, baseline.outputs))
-                row.update(num_prompts=len(prompts), max_tokens=args.max_tokens,
+                row.update(prompt_set=args.set, num_prompts=len(prompts), max_tokens=args.max_tokens,
                            dtype=args.dtype, drafter=args.drafter)
                 if run.datastore is not None:
                     row.update(summaries[run.datastore], datastore_name=run.datastore.name)
@@ -272,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
             server.stop(grace=1.0).wait()
             drafter.close()
     main_summary = summaries.get(datastore, {})
-    title = (f"SmolLM2-135M {args.dtype}, {len(prompts)} MT-Bench prompts x {args.max_tokens} "
+    title = (f"SmolLM2-135M {args.dtype}, {len(prompts)} {args.set} prompts x {args.max_tokens} "
              f"tokens, greedy\n{main_summary.get('datastore_conversations', '?')} self-output "
              f"conversations in the datastore")
     plot(rows, args.png, title)
