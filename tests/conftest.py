@@ -12,8 +12,8 @@ MAX_NEW_TOKENS = 64
 
 # Fixtures that load the model (weights or tokenizer); a test using any of them is marked
 # `model` automatically. Tests that load it another way (a subprocess) carry the mark.
-MODEL_FIXTURES = {"tokenizer", "target_model_fp32", "mt_bench_prompts", "greedy_references",
-                  "warm_datastore", "engine_factory"}
+MODEL_FIXTURES = {"tokenizer", "target_model_fp32", "target_model_bf16", "mt_bench_prompts",
+                  "greedy_references", "warm_datastore", "engine_factory"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -42,6 +42,14 @@ def target_model_fp32():
     from sssd.common.model_loader import load_causal_lm
 
     return load_causal_lm(None, "float32")
+
+
+@pytest.fixture(scope="session")
+def target_model_bf16():
+    """The default model in bfloat16, the serving default, loaded once per session."""
+    from sssd.common.model_loader import load_causal_lm
+
+    return load_causal_lm(None, "bfloat16")
 
 
 @pytest.fixture(scope="session")
@@ -92,6 +100,7 @@ def greedy_references(target_model_fp32, mt_bench_prompts):
     import torch
 
     model = target_model_fp32.model
+    model.set_attn_implementation("eager")  # what the engines use (EngineConfig.attention)
     references = []
     with torch.inference_mode():
         for prompt in mt_bench_prompts:
@@ -120,10 +129,12 @@ def warm_datastore(tmp_path_factory, target_model_fp32, greedy_references):
 def engine_factory(target_model_fp32):
     """make(max_batch_size, datastore_dir=None, proposer="inproc" | None | a Proposer) ->
     (engine, drafter); "inproc" builds an in-process SSSD drafter, None decodes
-    autoregressively. The engine tracks text (stop strings)."""
+    autoregressively. The engine tracks text (stop strings). `loaded`: another LoadedModel than
+    the float32 one."""
 
-    def make(max_batch_size, datastore_dir=None, proposer="inproc", max_budget=16):
-        return make_engine(target_model_fp32, max_batch_size, datastore_dir, proposer, max_budget)
+    def make(max_batch_size, datastore_dir=None, proposer="inproc", max_budget=16, loaded=None):
+        return make_engine(loaded or target_model_fp32, max_batch_size, datastore_dir, proposer,
+                           max_budget)
 
     return make
 

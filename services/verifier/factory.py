@@ -78,7 +78,8 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
     """The engine of `config` (its proposer started). `detokenize`: the engine tracks each
     answer's text (serving: streamed text and stop strings); off, it skips that work."""
     loaded = loaded or load_causal_lm(config.model, config.dtype)
-    runner = ModelRunner(loaded.model, max_seqs=config.max_batch_size, max_len=config.max_len)
+    runner = ModelRunner(loaded.model, max_seqs=config.max_batch_size, max_len=config.max_len,
+                         attention=config.attention)
     tokenizer = loaded.tokenizer
 
     def decode(ids: list[int]) -> str:

@@ -11,6 +11,7 @@ from sssd.common.flags import option
 MODES = ("ar", "prompt_lookup", "sssd")
 BUDGET_POLICIES = ("rule", "measured")
 DTYPES = ("bfloat16", "float32")
+ATTENTIONS = ("eager", "sdpa")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,12 @@ class EngineConfig:
                         "traffic of a decode step, float32 breaks argmax ties exactly (and on "
                         "CPUs without bf16 instructions verifies draft trees far cheaper)",
                         choices=DTYPES)
+    attention: str = option(
+        "eager", "attention kernel; eager: a row's result does not depend on the tree or batch "
+        "around it, so bfloat16 greedy output with speculation equals plain greedy decoding "
+        "token for token (on CPUs whose bf16 matmul is row-invariant: tests/verifier/engine/"
+        "test_batch_invariance.py checks it); sdpa: PyTorch's fused kernel, whose bf16 rounding "
+        "changes with the number of query rows", choices=ATTENTIONS)
     mode: str = option("sssd", "ar: no speculation; prompt_lookup: input trie only; sssd: "
                        "input trie + datastore", choices=MODES)
     max_batch_size: int = option(8, "running sequences (KV-cache slots)")
@@ -52,6 +59,8 @@ class EngineConfig:
         checks = [
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"),
             (self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}"),
+            (self.attention in ATTENTIONS,
+             f"attention must be one of {ATTENTIONS}, got {self.attention!r}"),
             (self.budget_policy in BUDGET_POLICIES,
              f"budget_policy must be one of {BUDGET_POLICIES}, got {self.budget_policy!r}"),
             (1 <= self.max_batch_size <= 1024, "max_batch_size must be in [1, 1024]"),

@@ -20,13 +20,17 @@ from collections.abc import Sequence
 
 import torch
 
+from sssd.verifier.engine.tree_batch import KV_ALIGN
+
 
 class SlotKVCache:
     def __init__(self, num_layers: int, max_seqs: int, num_kv_heads: int, max_len: int,
                  head_dim: int, dtype: torch.dtype) -> None:
         if max_seqs < 1 or max_len < 2:
             raise ValueError("max_seqs must be >= 1 and max_len >= 2")
-        shape = (max_seqs, num_kv_heads, max_len, head_dim)
+        # Room for a step's key length rounded up to KV_ALIGN (tree_batch.py) at the very end.
+        self.capacity = -(-max_len // KV_ALIGN) * KV_ALIGN
+        shape = (max_seqs, num_kv_heads, self.capacity, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.max_seqs = max_seqs
@@ -43,8 +47,9 @@ class SlotKVCache:
     def begin_step(self, first_slot: int, num_rows: int, write_positions: torch.Tensor,
                    kv_len: int) -> None:
         """Slots [first_slot, first_slot + num_rows) take part in the next forward pass."""
-        if kv_len > self.max_len:
-            raise ValueError(f"step needs {kv_len} cache positions, the cache holds {self.max_len}")
+        if kv_len > self.capacity:
+            raise ValueError(f"step needs {kv_len} cache positions, the cache holds "
+                             f"{self.capacity}")
         self._rows = slice(first_slot, first_slot + num_rows)
         self._write_positions = write_positions
         self._row_index = torch.arange(num_rows).unsqueeze(1)  # [num_rows, 1], once per step

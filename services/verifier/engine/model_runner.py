@@ -16,9 +16,14 @@ from sssd.verifier.engine.tree_batch import build_tree_batch, chain_tree
 class ModelRunner:
     """Owns the KV cache; the batch of running sequences occupies slots [0, num_running)."""
 
-    def __init__(self, model: torch.nn.Module, max_seqs: int, max_len: int) -> None:
+    def __init__(self, model: torch.nn.Module, max_seqs: int, max_len: int,
+                 attention: str = "eager") -> None:
+        """`attention`: the model's attention kernel (EngineConfig.attention). It is a setting
+        of the model object, so runners that share one loaded model share it too."""
         config = model.config
         self.model = model
+        if getattr(config, "_attn_implementation", None) != attention:
+            model.set_attn_implementation(attention)
         self.dtype = next(model.parameters()).dtype
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.cache = SlotKVCache(

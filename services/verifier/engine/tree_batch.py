@@ -16,6 +16,13 @@ import torch
 
 from sssd.common.draft_tree import DraftTree
 
+# Every step attends over a key length that is a multiple of this, the extra keys masked out.
+# A row's attention then does not depend on how long the other rows of the batch are: a CPU
+# matmul or softmax reduces a row over the key length in vector blocks plus a tail handled apart,
+# so keys that only change the length (masked, weight exactly 0) still moved which products
+# were added in the tail, and bf16 logits changed with the batch (test_batch_invariance.py).
+KV_ALIGN = 128
+
 
 @dataclass(frozen=True)
 class TreeBatch:
@@ -24,7 +31,7 @@ class TreeBatch:
     attention_mask: torch.Tensor  # [num_seqs, 1, max_nodes, kv_len] additive, model dtype
     write_positions: torch.Tensor  # [num_seqs, max_nodes] int64: cache slot of each node
     num_nodes: list[int]  # [num_seqs] real (unpadded) nodes per row
-    kv_len: int  # cache positions the step attends over: max(cache_lens) + max_nodes
+    kv_len: int  # cache positions the step attends over: max(cache_lens) + max_nodes, aligned
 
 
 def ancestor_matrix(parents: np.ndarray) -> np.ndarray:
@@ -40,11 +47,13 @@ def ancestor_matrix(parents: np.ndarray) -> np.ndarray:
 
 
 def build_tree_batch(
-    trees: Sequence[DraftTree], cache_lens: Sequence[int], dtype: torch.dtype
+    trees: Sequence[DraftTree], cache_lens: Sequence[int], dtype: torch.dtype,
+    kv_align: int = KV_ALIGN,
 ) -> TreeBatch:
+    """`kv_align`: the key length of the step is rounded up to a multiple of it (see KV_ALIGN)."""
     num_seqs = len(trees)
     max_nodes = max(tree.num_nodes for tree in trees)
-    kv_len = max(cache_lens) + max_nodes
+    kv_len = -(-(max(cache_lens) + max_nodes) // kv_align) * kv_align
     input_ids = np.zeros((num_seqs, max_nodes), dtype=np.int64)
     position_ids = np.zeros((num_seqs, max_nodes), dtype=np.int64)
     write_positions = np.zeros((num_seqs, max_nodes), dtype=np.int64)

@@ -59,7 +59,8 @@ class PrefillWorker(_ModelWorker):
         from sssd.verifier.engine.model_runner import ModelRunner
 
         super().__init__(config, name, torch_threads)
-        self.runner = ModelRunner(self.loaded.model, max_seqs=1, max_len=config.max_len)
+        self.runner = ModelRunner(self.loaded.model, max_seqs=1, max_len=config.max_len,
+                                  attention=config.attention)
         self.metrics = None
         if metrics:
             from sssd.verifier.serving.metrics import PrefillMetrics
