@@ -100,7 +100,6 @@ def greedy_references(target_model_fp32, mt_bench_prompts):
     import torch
 
     model = target_model_fp32.model
-    model.set_attn_implementation("eager")  # what the engines use (EngineConfig.attention)
     references = []
     with torch.inference_mode():
         for prompt in mt_bench_prompts:
@@ -130,23 +129,25 @@ def engine_factory(target_model_fp32):
     """make(max_batch_size, datastore_dir=None, proposer="inproc" | None | a Proposer) ->
     (engine, drafter); "inproc" builds an in-process SSSD drafter, None decodes
     autoregressively. The engine tracks text (stop strings). `loaded`: another LoadedModel than
-    the float32 one."""
+    the float32 one; `attention`: EngineConfig.attention."""
 
-    def make(max_batch_size, datastore_dir=None, proposer="inproc", max_budget=16, loaded=None):
+    def make(max_batch_size, datastore_dir=None, proposer="inproc", max_budget=16, loaded=None,
+             attention="sdpa"):
         return make_engine(loaded or target_model_fp32, max_batch_size, datastore_dir, proposer,
-                           max_budget)
+                           max_budget, attention)
 
     return make
 
 
-def make_engine(loaded, max_batch_size, datastore_dir=None, proposer="inproc", max_budget=16):
+def make_engine(loaded, max_batch_size, datastore_dir=None, proposer="inproc", max_budget=16,
+                attention="sdpa"):
     from sssd.drafter.config import DrafterConfig
     from sssd.drafter.drafter import Drafter
     from sssd.verifier.engine import Engine
     from sssd.verifier.engine.budget_policy import RuleBudget
     from sssd.verifier.engine.model_runner import ModelRunner
 
-    runner = ModelRunner(loaded.model, max_seqs=max_batch_size, max_len=1024)
+    runner = ModelRunner(loaded.model, max_seqs=max_batch_size, max_len=1024, attention=attention)
     drafter = None
     if proposer == "inproc":
         drafter = Drafter(DrafterConfig(datastore_dir=datastore_dir, vocab_size=loaded.vocab_size,

@@ -10,14 +10,14 @@ import torch
 from sssd.common.draft_tree import DraftTree
 from sssd.verifier.engine.handoff import PrefilledPrompt
 from sssd.verifier.engine.kv_cache import SlotKVCache
-from sssd.verifier.engine.tree_batch import build_tree_batch, chain_tree
+from sssd.verifier.engine.tree_batch import KV_ALIGN, build_tree_batch, chain_tree
 
 
 class ModelRunner:
     """Owns the KV cache; the batch of running sequences occupies slots [0, num_running)."""
 
     def __init__(self, model: torch.nn.Module, max_seqs: int, max_len: int,
-                 attention: str = "eager") -> None:
+                 attention: str = "sdpa") -> None:
         """`attention`: the model's attention kernel (EngineConfig.attention). It is a setting
         of the model object, so runners that share one loaded model share it too."""
         config = model.config
@@ -35,6 +35,7 @@ class ModelRunner:
             dtype=self.dtype,
         )
         self.max_len = max_len
+        self.kv_align = KV_ALIGN  # 1 reproduces the unaligned key length (bench/batch_invariance.py)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]  # width of the logits
 
     @torch.inference_mode()
@@ -90,7 +91,7 @@ class ModelRunner:
                  logits_to_keep: int = 0) -> torch.Tensor:
         """Trees of slots [first_slot, first_slot + len(trees)) through the model: raw logits."""
         cache_lens = [self.cache.lengths[first_slot + row] for row in range(len(trees))]
-        batch = build_tree_batch(trees, cache_lens, self.dtype)
+        batch = build_tree_batch(trees, cache_lens, self.dtype, self.kv_align)
         self.cache.begin_step(first_slot, len(trees), batch.write_positions, batch.kv_len)
         output = self.model(
             input_ids=batch.input_ids,
