@@ -32,6 +32,7 @@ DEFAULT_BUDGETS = (1, 2, 4, 8, 16, 32)
 # --budgets 2,4,8,16,32`: 0.433, 0.825, 1.101, 1.306, 1.459), rounded down.
 DEFAULT_ACCEPTANCE_PRIOR = {1: 0.0, 2: 0.43, 4: 0.82, 8: 1.1, 16: 1.3, 32: 1.45}
 PRIOR_WEIGHT = 8  # the prior counts as this many observed steps
+PROFILE_WEIGHT = 8  # a profiled step time counts as this many observed ones
 SAVE_EVERY = 100  # observed steps between saves of the acceptance statistics
 FAR_BEHIND = 0.2  # a next budget this far below the best rate is explored rarely
 FAR_EXPLORE_FACTOR = 8  # how much more rarely
@@ -145,9 +146,9 @@ class MeasuredBudget:
     (node indices grow along a path, parents before children). So every step updates the
     estimate of all budgets up to its own, with an exponential moving average per budget.
 
-    Step times come from the profile until the engine has run (b, s_q) itself; from then on the
-    verification times it observes (a moving average per (b, s_q)) replace the profile's, which
-    was measured on one synthetic context length.
+    Step times start from the profile, which was measured on one synthetic context length, worth
+    PROFILE_WEIGHT steps; the verification times the engine observes at (b, s_q) move them, a
+    running mean at first and a moving average later, until they replace the profile's.
 
     The estimates start from a prior (acceptance statistics saved by an earlier run, else
     DEFAULT_ACCEPTANCE_PRIOR), which counts as PRIOR_WEIGHT steps: a fresh server speculates
@@ -183,6 +184,7 @@ class MeasuredBudget:
                 self.expected_accepted[s] = float(prior[s])
                 self._weights[s] = PRIOR_WEIGHT
         self.observed_seconds: dict[tuple[int, int], float] = {}  # (b, s) -> moving average
+        self._seconds_weights: dict[tuple[int, int], int] = {}  # steps behind each average
         self.stats_path = stats_path
         self._num_calls = 0
         self._num_observed = 0
@@ -217,8 +219,15 @@ class MeasuredBudget:
             return
         key = (batch_size, budget)
         old_seconds = self.observed_seconds.get(key)
-        self.observed_seconds[key] = verify_s if old_seconds is None \
-            else old_seconds + self.decay * (verify_s - old_seconds)
+        if old_seconds is None:
+            # The profile's time is the prior, worth PROFILE_WEIGHT steps: one slow step (the
+            # first tree of a shape, a busy moment) must not price a budget out for good.
+            index = next((j for j, s in self.candidates if s == budget), None)
+            old_seconds = verify_s if index is None else self.profile.time(batch_size, index)
+            self._seconds_weights[key] = 0 if index is None else PROFILE_WEIGHT
+        self._seconds_weights[key] += 1
+        rate = max(self.decay, 1.0 / self._seconds_weights[key])
+        self.observed_seconds[key] = old_seconds + rate * (verify_s - old_seconds)
         for _, s in self.candidates:
             if s > budget:
                 break

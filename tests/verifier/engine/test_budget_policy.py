@@ -146,3 +146,20 @@ def test_a_clear_loser_is_explored_rarely_and_a_close_one_often():
     policy = MeasuredBudget(flat, max_budget=4, prior={1: 0.0, 2: 0.43, 4: 0.82})
     chosen = [policy.budget(1) for _ in range(64)]
     assert chosen.count(4) == 8 and set(chosen) == {2, 4}
+
+
+def test_one_slow_step_does_not_price_a_budget_out():
+    # Flat up to s = 8 at b = 1; the first tree step is slow (cold caches, a busy moment).
+    batches, budgets = [1], [1, 2, 4, 8]
+    profile = ForwardProfile(batches, budgets, np.array([[0.04, 0.04, 0.04, 0.04]]))
+    policy = MeasuredBudget(profile, max_budget=8, prior={1: 0.0, 2: 0.4, 4: 0.8, 8: 1.1})
+    assert policy.budget(1) == 8
+    # 3x the profile's time; 5 accepted (1 of them below node 4).
+    policy.observe(1, 8, [[1, 4, 5, 6, 7]], 0.12)
+    assert policy.observed_seconds[(1, 8)] == pytest.approx(0.04 + (0.12 - 0.04) / 9)
+    # Still the best: 2.53 tokens in ~0.049 s against 1.82 in 0.04 at s = 4 (had the one step
+    # replaced the profile, 0.12 s would have priced s = 8 out).
+    assert policy.budget(1) == 8
+    for _ in range(100):  # but a step time that stays high wins in the end
+        policy.observe(1, 8, [[1, 4, 5, 6, 7]], 0.12)
+    assert policy.observed_seconds[(1, 8)] == pytest.approx(0.12, rel=0.05)
