@@ -28,7 +28,7 @@ class DraftParams:
     min_continuations: int = 50  # shorten the datastore prefix while fewer were sampled
     datastore_discount: float = 1.0  # first-level factor, datastore source
     input_discount: float = 0.6  # first-level factor, input-trie sources
-    datastore_child_discount: float = 1.0  # factor per level below the first, datastore
+    datastore_child_discount: float = 0.8  # factor per level below the first, datastore
     input_child_discount_base: float = 0.6  # input child discount = base + per_match * m
     input_child_discount_per_match: float = 0.1
 

@@ -185,7 +185,8 @@ def test_equal_priority_goes_to_the_deeper_node(core_shard, core_params):
     # Datastore tree 9 -> {1 -> 3, 2}: 1 and 2 both at 0.5, 1 pushed first. Popping 1 pushes 3 at
     # 0.5 too, one level deeper, so 3 comes before 2 although 2 was pushed earlier.
     documents = [[9, 1, 3], [9, 2]]
-    params = reference.DraftParams(prefix_len=1)
+    # The paper's child discount 1.0 makes 3 tie with 2 (the tuned default 0.8 would not).
+    params = reference.DraftParams(prefix_len=1, datastore_child_discount=1.0)
     datastore = _core.Datastore([core_shard(documents, 10)], 10, params.max_continuations)
     trie = make_trie([9])  # the input trie matches 9 but has nothing after it
     expected = ([9, 1, 3, 2], [-1, 0, 1, 0], [1.0, 0.5, 0.5, 0.5])
