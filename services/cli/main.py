@@ -26,6 +26,7 @@ from pathlib import Path
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from sssd.common.ports import GENERATE_PORT
+from sssd.verifier.engine.config import SERVING_PROFILE_PATH
 
 DEFAULT_TARGET = f"127.0.0.1:{GENERATE_PORT}"
 
@@ -95,7 +96,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 # `sssd serve` takes every Generate API and engine setting as a flag; its own defaults:
 SERVE_ENGINE_DEFAULTS = {"budget_policy": "measured",
-                         "profile_path": str(Path("var/profiles/forward.json").absolute())}
+                         "profile_path": str(Path(SERVING_PROFILE_PATH).absolute())}
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

@@ -34,6 +34,8 @@ import sys
 import threading
 from pathlib import Path
 
+from sssd.verifier.engine.config import SERVING_PROFILE_PATH
+
 logger = logging.getLogger(__name__)
 
 DEMO_PROMPT = "Explain in three sentences why the sky is blue."
@@ -50,9 +52,8 @@ def main(argv: list[str] | None = None) -> int:
 FRONTEND_FLAGS = ("host", "port", "max_requests", "max_tokens_limit", "default_max_tokens",
                   "grace_s")
 ENGINE_EXCLUDED = ("mode", "drafter_target", "datastore_dir")  # set by the stack itself
-# The measured policy's profile and acceptance statistics persist across starts.
 ENGINE_DEFAULTS = {"budget_policy": "measured", "max_len": 2048,
-                   "profile_path": str(Path("var/profiles/forward.json").absolute())}
+                   "profile_path": str(Path(SERVING_PROFILE_PATH).absolute())}
 INDEXER_FLAGS = ("build_tokens", "build_interval_s")
 INDEXER_DEFAULTS = {"build_tokens": 20_000, "build_interval_s": 30.0}
 

@@ -157,8 +157,8 @@ class MeasuredBudget:
     use are learned by exploration: every `explore_every`-th step runs at the next larger budget
     than the best, or every FAR_EXPLORE_FACTOR * `explore_every`-th step while that budget's
     estimated rate is more than FAR_BEHIND below the best's (on a machine where drafts do not
-    pay, exploring costs about 1 %, not the 8 % of a fixed schedule). Near-ties go to the smaller budget: it costs less drafting and cache room for
-    nothing. With `stats_path` the estimates are saved every SAVE_EVERY steps, to be the next
+    pay, exploring costs about 1 %, not the 8 % of a fixed schedule). Near-ties go to the
+    smaller budget: it costs less drafting and cache room for nothing. With `stats_path` the estimates are saved every SAVE_EVERY steps, to be the next
     start's prior.
     """
 

@@ -12,6 +12,9 @@ MODES = ("ar", "prompt_lookup", "sssd")
 BUDGET_POLICIES = ("rule", "measured")
 DTYPES = ("bfloat16", "float32")
 ATTENTIONS = ("sdpa", "eager")
+# Where `sssd up` and `sssd serve` keep the measured policy's profile and, beside it, its
+# acceptance statistics, so that both persist across starts (relative to the working directory).
+SERVING_PROFILE_PATH = "var/profiles/forward.json"
 
 
 @dataclass(frozen=True)

@@ -306,16 +306,19 @@ def random_tree(rng: random.Random, num_nodes: int) -> tuple[np.ndarray, np.ndar
     return np.array(token_ids, dtype=np.int32), np.array(parents, dtype=np.int32)
 
 
-def test_sampling_at_temperature_zero_equals_greedy():
+@pytest.mark.parametrize("rule", ["generator", "position_keyed"])
+def test_sampling_at_temperature_zero_equals_greedy(rule):
     rng = random.Random(0)
     generator = torch.Generator().manual_seed(0)
-    for _ in range(200):
+    for seed in range(200):
         token_ids, parents = random_tree(rng, rng.randint(1, 16))
         # Few distinct logit values: argmax ties and frequent matches.
         logits = torch.randint(0, 3, (len(token_ids), VOCAB_SIZE), generator=generator).float()
         probs = target_probs(logits, SamplingParams(temperature=0.0))
         expected = accept_greedy(token_ids, parents, logits.argmax(dim=-1))
-        assert accept_sampling(token_ids, parents, probs, generator) == expected
+        result = accept_sampling(token_ids, parents, probs, generator) if rule == "generator" \
+            else accept_at_positions(token_ids, parents, probs, seed, 0)
+        assert result == expected
 
 
 def test_sampling_is_reproducible_with_a_seed():
@@ -463,17 +466,6 @@ def test_one_uniform_for_every_position_fails_the_same_test(monkeypatch, target_
     probs = target_probs(tree_logits(target_model, draft_tree), SAMPLING_CASES["temperature_1"])
     tests = keyed_chi_squares(draft_tree, probs, first_seed=10**6)
     assert not all(test.passed for test in tests.values()), describe(tests)
-
-
-def test_position_keyed_sampling_at_temperature_zero_equals_greedy():
-    rng = random.Random(5)
-    generator = torch.Generator().manual_seed(5)
-    for seed in range(200):
-        token_ids, parents = random_tree(rng, rng.randint(1, 16))
-        logits = torch.randint(0, 3, (len(token_ids), VOCAB_SIZE), generator=generator).float()
-        probs = target_probs(logits, SamplingParams(temperature=0.0))
-        expected = accept_greedy(token_ids, parents, logits.argmax(dim=-1))
-        assert accept_at_positions(token_ids, parents, probs, seed, 0) == expected
 
 
 def test_position_keyed_tokens_do_not_depend_on_the_drafts(target_model, draft_tree):
