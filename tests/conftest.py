@@ -13,7 +13,7 @@ MAX_NEW_TOKENS = 64
 # Fixtures that load the model (weights or tokenizer); a test using any of them is marked
 # `model` automatically. Tests that load it another way (a subprocess) carry the mark.
 MODEL_FIXTURES = {"tokenizer", "target_model_fp32", "target_model_bf16", "mt_bench_prompts",
-                  "greedy_references", "warm_datastore", "engine_factory"}
+                  "greedy_references", "warm_datastore", "engine_factory", "make_speculator"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,9 +2,9 @@
 
 In-process SSSD (`sssd.drafter.drafter.Drafter`), the remote drafter service
 (`sssd.drafter.client.RemoteDrafter`) and prompt lookup (a Drafter without a datastore)
-implement `Proposer`; the speculator and the vLLM adapter are to implement it too. The engine
-makes one `propose` call per decoding step for its whole batch and knows nothing else about the
-source.
+implement `Proposer`, and so does the SSD speculator (`sssd.speculator.client.SsdProposer`);
+the vLLM adapter is to implement it too. The engine makes one `propose` call per decoding step
+for its whole batch and knows nothing else about the source.
 
 This module imports neither grpc nor the C++ core, so code that only drafts through a remote
 service loads neither.
@@ -29,6 +29,10 @@ class DraftRequest:
     token_ids: np.ndarray | Sequence[int]  # [num_new_tokens]; the full context when is_start
     budget: int  # draft-tree nodes, root included (s_q); 1 means no speculation
     is_start: bool = False  # token_ids is the whole context: (re)start the sequence
+    # The sequence's sampling, for sources that draft from a model (the speculator samples its
+    # drafts at this temperature); n-gram sources ignore them. Drafts never change the output.
+    temperature: float = 0.0
+    seed: int = 0
 
 
 class SequenceNotFound(KeyError):

@@ -5,6 +5,7 @@ Every service binds 127.0.0.1 by default; 0 anywhere means "let the OS pick" (te
 
 GENERATE_PORT = 50061  # the public Generate API (proto/sssd/v1/generate.proto)
 DRAFTER_PORT = 50051  # the SSSD drafter service (proto/sssd/v1/drafter.proto)
+SPECULATOR_PORT = 50081  # the SSD speculator service (proto/sssd/v1/speculator.proto)
 INDEXER_PORT = 50071  # the indexer's gRPC health service
 INDEXER_METRICS_PORT = 9108  # the indexer's Prometheus endpoint
 RAY_DASHBOARD_PORT = 8265  # the local Ray cluster's dashboard

@@ -228,7 +228,8 @@ class Engine:
 
     def _draft_requests(self, budgets: list[int]) -> list[DraftRequest]:
         return [DraftRequest(seq.request_id, seq.token_ids_from(seq.num_proposer_tokens), budget,
-                             is_start=seq.num_proposer_tokens == 0)
+                             is_start=seq.num_proposer_tokens == 0,
+                             temperature=seq.request.sampling.temperature, seed=seq.seed)
                 for seq, budget in zip(self.scheduler.running, budgets)]
 
     def _accept(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:

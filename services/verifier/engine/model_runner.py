@@ -9,7 +9,7 @@ import torch
 
 from sssd.common.draft_tree import DraftTree
 from sssd.verifier.engine.handoff import PrefilledPrompt
-from sssd.verifier.engine.kv_cache import SlotKVCache
+from sssd.common.kv_cache import SlotKVCache
 from sssd.verifier.engine.tree_batch import KV_ALIGN, build_tree_batch, chain_tree
 
 

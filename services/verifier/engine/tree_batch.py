@@ -15,13 +15,8 @@ import numpy as np
 import torch
 
 from sssd.common.draft_tree import DraftTree
+from sssd.common.kv_cache import KV_ALIGN
 
-# Every step attends over a key length that is a multiple of this, the extra keys masked out.
-# A row's attention then does not depend on how long the other rows of the batch are: a CPU
-# matmul or softmax reduces a row over the key length in vector blocks plus a tail handled apart,
-# so keys that only change the length (masked, weight exactly 0) still moved which products
-# were added in the tail, and bf16 logits changed with the batch (test_batch_invariance.py).
-KV_ALIGN = 128
 
 
 @dataclass(frozen=True)

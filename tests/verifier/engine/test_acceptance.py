@@ -25,6 +25,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from sssd.speculator.sampling import saguaro_probs
 from sssd.verifier.engine import acceptance
 from sssd.verifier.engine.acceptance import (AcceptResult, TreeIndex, accept_at_positions,
                                              accept_greedy, accept_sampling)
@@ -565,3 +566,28 @@ def test_wrong_draft_distribution_fails_the_same_test(target_model, draft_model)
     tests = chain_chi_squares(target, prefix_tables(draft_model, params), seed=2,
                               claimed_draft=target)
     assert not tests[()].passed, describe(tests)
+
+
+def saguaro_tables(draft: PrefixTables, top_f: int, c: float) -> PrefixTables:
+    """The speculator's q' (sssd.speculator.sampling) at every prefix of `draft`."""
+    return PrefixTables([saguaro_probs(rows, top_f, c) for rows in draft.by_depth])
+
+
+def test_saguaro_drafts_verified_with_their_distribution_keep_the_target(target_model,
+                                                                        draft_model):
+    params = SAMPLING_CASES["temperature_1"]
+    saguaro = saguaro_tables(prefix_tables(draft_model, params), top_f=3, c=0.3)
+    tests = chain_chi_squares(prefix_tables(target_model, params), saguaro, seed=4)
+    assert () in tests and any(len(prefix) == 1 for prefix in tests), describe(tests)
+    assert all(test.passed for test in tests.values()), describe(tests)
+
+
+def test_saguaro_drafts_verified_with_the_plain_draft_distribution_fail(target_model,
+                                                                       draft_model):
+    # Sampling from q' but verifying as if the drafts came from q: the output is no longer p.
+    params = SAMPLING_CASES["temperature_1"]
+    draft = prefix_tables(draft_model, params)
+    tests = chain_chi_squares(prefix_tables(target_model, params),
+                              saguaro_tables(draft, top_f=3, c=0.3), seed=4,
+                              claimed_draft=draft)
+    assert not all(test.passed for test in tests.values()), describe(tests)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sssd.common.draft_tree import DraftTree
-from sssd.verifier.engine.kv_cache import SlotKVCache
+from sssd.common.kv_cache import SlotKVCache
 from sssd.verifier.engine.tree_batch import build_tree_batch
 
 HEADS, HEAD_DIM, MAX_LEN = 2, 8, 64

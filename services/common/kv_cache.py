@@ -6,9 +6,11 @@ always occupies slots [0, num_running) (a finished sequence's slot is filled by 
 one into it), so a step over the whole batch attends over the view
 `buffer[:num_running, :, :kv_len]` and no per-step copy of the cache is made.
 
-Tree steps write every node's keys and values at `cache_len + node_index` (see tree_batch.py);
-after acceptance `commit` moves the accepted path to `cache_len + depth`, and the rejected nodes
-are simply left beyond the new length, to be overwritten by the next step.
+Shared by the verifier's model runner and the speculator's draft runner. A step writes every
+node's keys and values at the cache positions its caller gives (the verifier's tree steps at
+`cache_len + node_index`, see tree_batch.py); after acceptance `commit` moves the accepted path
+to `cache_len + depth`, and the rejected nodes are simply left beyond the new length, to be
+overwritten by the next step.
 
 The model calls `update(keys, values, layer_idx)` from inside its attention layers (the hook that
 transformers' attention uses for its own caches), so no model code is patched.
@@ -20,19 +22,24 @@ from collections.abc import Sequence
 
 import torch
 
-from sssd.verifier.engine.tree_batch import KV_ALIGN
+# Every step attends over a key length that is a multiple of this, the extra keys masked out.
+# A row's attention then does not depend on how long the other rows of the batch are: a CPU
+# matmul or softmax reduces a row over the key length in vector blocks plus a tail handled apart,
+# so keys that only change the length (masked, weight exactly 0) still moved which products
+# were added in the tail, and bf16 logits changed with the batch (test_batch_invariance.py).
+KV_ALIGN = 128
 
 
 class SlotKVCache:
     def __init__(self, num_layers: int, max_seqs: int, num_kv_heads: int, max_len: int,
-                 head_dim: int, dtype: torch.dtype) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         if max_seqs < 1 or max_len < 2:
             raise ValueError("max_seqs must be >= 1 and max_len >= 2")
         # Room for a step's key length rounded up to KV_ALIGN (tree_batch.py) at the very end.
         self.capacity = -(-max_len // KV_ALIGN) * KV_ALIGN
         shape = (max_seqs, num_kv_heads, self.capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_seqs = max_seqs
         self.max_len = max_len
         self.lengths = [0] * max_seqs  # [max_seqs] committed tokens per slot
@@ -52,7 +59,8 @@ class SlotKVCache:
                              f"{self.capacity}")
         self._rows = slice(first_slot, first_slot + num_rows)
         self._write_positions = write_positions
-        self._row_index = torch.arange(num_rows).unsqueeze(1)  # [num_rows, 1], once per step
+        # [num_rows, 1], once per step, where the positions are (the cache's device)
+        self._row_index = torch.arange(num_rows, device=write_positions.device).unsqueeze(1)
         self._kv_len = kv_len
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int,

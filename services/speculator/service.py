@@ -1,0 +1,210 @@
+"""The speculator's gRPC service (proto/sssd/v1/speculator.proto) and its console script.
+
+The servicer translates messages and maps the core's exceptions to status codes; validation and
+state live in `Speculator`. `build_speculator` loads the draft model from `SpeculatorConfig`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from typing import TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from sssd.common.drafting import CapacityError, SequenceNotFound
+from sssd.drafter.status import unknown_ids_details
+from sssd.speculator.config import SpeculatorConfig
+from sssd.speculator.speculator import FingerprintMismatch, RoundInput, Speculator
+from sssd.v1 import speculator_pb2, speculator_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = speculator_pb2.DESCRIPTOR.services_by_name["Speculator"].full_name
+T = TypeVar("T")
+
+
+def truncated(model, num_layers: int):  # type: ignore[no-untyped-def]
+    """A draft model made of `model`'s first `num_layers` decoder layers and its head, sharing
+    their weights (no copy); `model` itself is unchanged."""
+    import torch
+
+    base = model.base_model
+    if not 1 <= num_layers <= len(base.layers):
+        raise ValueError(f"draft_layers must be in [1, {len(base.layers)}], got {num_layers}")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types)[:num_layers]
+    draft_base = copy.copy(base)
+    draft_base._modules = dict(base._modules)
+    draft_base.layers = torch.nn.ModuleList(list(base.layers)[:num_layers])
+    draft_base.config = config
+    draft = copy.copy(model)
+    draft._modules = dict(model._modules)
+    setattr(draft, model.base_model_prefix, draft_base)
+    draft.config = config
+    return draft
+
+
+def build_speculator(config: SpeculatorConfig, loaded=None) -> Speculator:  # type: ignore[no-untyped-def]
+    """Loads the draft model (or takes `loaded`, a LoadedModel) and builds the core."""
+    import torch
+
+    from sssd.common.model_loader import load_causal_lm
+    from sssd.speculator.runner import DraftRunner
+
+    if loaded is None:
+        loaded = load_causal_lm(config.model, dtype=config.dtype)
+    model = loaded.model
+    if config.draft_layers:
+        model = truncated(model, config.draft_layers)
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {config.device!r}: this torch has no CUDA device")
+    model = model.to(device)
+    runner = DraftRunner(model, config.max_sequences, config.max_len, device)
+    speculator = Speculator(
+        runner, vocab_size=loaded.vocab_size, fingerprint=loaded.fingerprint,
+        lookahead=config.lookahead, fanout_budget=config.fanout_budget,
+        fanout_kind=config.fanout, saguaro_c=config.saguaro_c,
+        critical_batch_size=config.critical_batch_size, max_batch_size=config.max_batch_size)
+    speculator.model_name = loaded.name + (f"[:{config.draft_layers} layers]"
+                                           if config.draft_layers else "")
+    speculator.device = str(device)
+    return speculator
+
+
+class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
+    def __init__(self, speculator: Speculator) -> None:
+        self._speculator = speculator
+
+    def Round(self, request: speculator_pb2.RoundRequest,
+              context: grpc.ServicerContext) -> speculator_pb2.RoundResponse:
+        inputs = [RoundInput(seq_id=s.seq_id, token_ids=list(s.token_ids),
+                             num_accepted=s.num_accepted, budget=s.budget, is_start=s.is_start,
+                             temperature=s.temperature, seed=s.seed)
+                  for s in request.sequences]
+        outputs = _call(context, "Round", lambda: self._speculator.round(
+            inputs, request.tokenizer_fingerprint or None))
+        return speculator_pb2.RoundResponse(sequences=[
+            speculator_pb2.SequenceDrafts(hit=o.hit, fallback=o.fallback, token_ids=o.token_ids,
+                                          probs=o.probs) for o in outputs])
+
+    def EndSequences(self, request: speculator_pb2.EndSpeculationRequest,
+                     context: grpc.ServicerContext) -> speculator_pb2.EndSpeculationResponse:
+        num = _call(context, "EndSequences", lambda: self._speculator.end(list(request.seq_ids)))
+        return speculator_pb2.EndSpeculationResponse(num_ended=num)
+
+    def GetInfo(self, request: speculator_pb2.SpeculatorInfoRequest,
+                context: grpc.ServicerContext) -> speculator_pb2.SpeculatorInfo:
+        return _call(context, "GetInfo", lambda: info_message(self._speculator))
+
+
+def info_message(s: Speculator) -> speculator_pb2.SpeculatorInfo:
+    stats = s.stats
+    return speculator_pb2.SpeculatorInfo(
+        model_name=getattr(s, "model_name", ""), tokenizer_fingerprint=s.fingerprint or "",
+        vocab_size=s.vocab_size, lookahead=s.lookahead, fanout_budget=s.fanout_budget,
+        fanout=s.fanout_kind, device=getattr(s, "device", "cpu"),
+        max_batch_size=s.max_batch_size, max_sequences=s.max_sequences,
+        num_sequences=s.num_sequences, rounds=stats.rounds, hits=stats.hits,
+        misses_jit=stats.misses_jit, misses_fallback=stats.misses_fallback,
+        speculate_s=stats.speculate_s, wait_s=stats.wait_s,
+        acceptance_rate=s.estimator.acceptance, miss_exponent=s.estimator.miss_exponent,
+        critical_batch_size=s.critical_batch_size())
+
+
+def _call(context: grpc.ServicerContext, rpc: str, fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except SequenceNotFound as err:
+        code, details = grpc.StatusCode.NOT_FOUND, unknown_ids_details(err.seq_ids)
+    except CapacityError as err:
+        code, details = grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
+    except FingerprintMismatch as err:
+        code, details = grpc.StatusCode.FAILED_PRECONDITION, str(err)
+    except ValueError as err:
+        code, details = grpc.StatusCode.INVALID_ARGUMENT, str(err)
+    except ConnectionError as err:
+        code, details = grpc.StatusCode.UNAVAILABLE, str(err)
+    except Exception:
+        logger.exception("%s failed", rpc)
+        code, details = grpc.StatusCode.INTERNAL, f"{rpc} failed inside the speculator (logged)"
+    context.abort(code, details)  # raises
+    raise AssertionError("unreachable")
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def create_server(config: SpeculatorConfig, speculator: Speculator
+                  ) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """Starts serving `speculator` on config.host:config.port (0: any free port); health
+    reports SERVING once this returns. The caller closes the speculator after stopping."""
+    server = grpc.server(futures.ThreadPoolExecutor(config.max_workers,
+                                                    thread_name_prefix="speculator-rpc"))
+    speculator_pb2_grpc.add_SpeculatorServicer_to_server(SpeculatorServicer(speculator), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(_address(config.host, config.port))
+    server.start()
+    for service in (SERVICE_NAME, ""):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer
+
+
+def serve(config: SpeculatorConfig) -> None:
+    """Serves until SIGTERM or SIGINT; then NOT_SERVING, new rounds refused (UNAVAILABLE,
+    callers decode without the speculator), in-flight calls drained for config.grace_s."""
+    import torch
+
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    speculator = build_speculator(config)
+    server, port, health_servicer = create_server(config, speculator)
+    logger.info("speculator (%s on %s, K=%d, B=%d %s) listening on %s",
+                speculator.model_name, speculator.device, config.lookahead,
+                config.fanout_budget, config.fanout, _address(config.host, port))
+    is_stopping = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        if is_stopping.is_set():
+            server.stop(0)
+            return
+        is_stopping.set()
+        logger.info("%s: draining, grace %.1f s", signal.Signals(signum).name, config.grace_s)
+        health_servicer.enter_graceful_shutdown()
+        threading.Thread(target=speculator.drain, daemon=True).start()
+        server.stop(config.grace_s)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.wait_for_termination()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        speculator.close()
+    logger.info("speculator stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console script `sssd-speculator`. Log level: SSSD_LOG_LEVEL (default INFO)."""
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    logging.basicConfig(level=os.environ.get("SSSD_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(SpeculatorConfig.from_args(argv))
+
+
+if __name__ == "__main__":
+    main()
