@@ -49,6 +49,16 @@ def start_drafter(datastore: Path, vocab_size: int, fingerprint: str, host: str,
         str(port)], host, port)
 
 
+def start_speculator(model: str | None, draft_layers: int, host: str,
+                     port: int) -> subprocess.Popen:
+    """The speculator service as a child process, once healthy (its draft model loaded)."""
+    command = [console_script("sssd-speculator"), "--draft-layers", str(draft_layers),
+               "--host", host, "--port", str(port)]
+    if model is not None:
+        command += ["--model", model]
+    return start_service("speculator", command, host, port)
+
+
 def start_indexer(datastore: Path, redis_url: str, vocab_size: int, fingerprint: str,
                   port: int, metrics_port: int, build_tokens: int,
                   build_interval_s: float) -> subprocess.Popen:

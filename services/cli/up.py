@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
 # What `sssd up` takes from each configuration as flags; its own defaults where they differ.
 FRONTEND_FLAGS = ("host", "port", "max_requests", "max_tokens_limit", "default_max_tokens",
                   "grace_s")
-ENGINE_EXCLUDED = ("mode", "drafter_target", "datastore_dir")  # set by the stack itself
+ENGINE_EXCLUDED = ("mode", "drafter_target", "datastore_dir",  # set by the stack itself
+                   "speculator_target")
 ENGINE_DEFAULTS = {"budget_policy": "measured", "max_len": 2048,
                    "profile_path": str(Path(SERVING_PROFILE_PATH).absolute())}
 INDEXER_FLAGS = ("build_tokens", "build_interval_s")
@@ -61,7 +62,8 @@ INDEXER_DEFAULTS = {"build_tokens": 20_000, "build_interval_s": 30.0}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from sssd.cli.datastores import add_datastore_arguments
     from sssd.common.flags import add_flags
-    from sssd.common.ports import DRAFTER_PORT, INDEXER_METRICS_PORT, INDEXER_PORT, REDIS_PORT
+    from sssd.common.ports import (DRAFTER_PORT, INDEXER_METRICS_PORT, INDEXER_PORT, REDIS_PORT,
+                                   SPECULATOR_PORT)
     from sssd.indexer.indexer import IndexerConfig
     from sssd.verifier.engine.config import EngineConfig
     from sssd.verifier.serving.config import FrontendConfig, RayConfig
@@ -75,6 +77,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stack.add_argument("--drafter-port", type=int, default=DRAFTER_PORT,
                        help=f"the drafter service (default {DRAFTER_PORT})")
     add_datastore_arguments(stack)
+    stack.add_argument("--speculator", action="store_true",
+                       help="draft with the SSD speculator service (mode ssd; the SSSD drafter "
+                       "drafts its misses above the critical batch size)")
+    stack.add_argument("--speculator-port", type=int, default=SPECULATOR_PORT,
+                       help=f"the speculator service (default {SPECULATOR_PORT})")
+    stack.add_argument("--speculator-model", default=None,
+                       help="its draft model, with the target's tokenizer (default: the target "
+                       "model, cut to --speculator-draft-layers)")
+    stack.add_argument("--speculator-draft-layers", type=int, default=8,
+                       help="keep the first N layers of the draft model; 0: all (default 8: "
+                       "the default target has no smaller sibling here, so its first layers "
+                       "are the draft; a poor one, see the README)")
     stack.add_argument("--no-live", action="store_true",
                        help="no live datastore: no Redis, no indexer, nothing published")
     stack.add_argument("--live-dir", default="var/live/datastore",
@@ -103,7 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from sssd.cli.check import run_check
     from sssd.cli.datastores import NoDatastore, pick_datastore
-    from sssd.cli.processes import start_drafter, start_indexer, stop_process
+    from sssd.cli.processes import (start_drafter, start_indexer, start_speculator,
+                                    stop_process)
     from sssd.common.flags import from_args
     from sssd.common.ports import busy_ports
     from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
@@ -118,8 +133,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         ray_config = from_args(RayConfig, args, exclude=("address",), host=args.host,
                                token_file="var/ray/auth_token")
-        engine = from_args(EngineConfig, args, exclude=ENGINE_EXCLUDED, mode="sssd",
-                           drafter_target=f"{args.host}:{args.drafter_port}")
+        speculator_target = f"{args.host}:{args.speculator_port}" if args.speculator else None
+        engine = from_args(EngineConfig, args, exclude=ENGINE_EXCLUDED,
+                           mode="ssd" if args.speculator else "sssd",
+                           drafter_target=f"{args.host}:{args.drafter_port}",
+                           speculator_target=speculator_target)
         frontend_values = dict(engine=engine, max_workers=args.max_requests + 16,
                                ray=ray_config)
         from_args(FrontendConfig, args, include=FRONTEND_FLAGS, **frontend_values)  # validates
@@ -128,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     ports = {"--port": args.port, "--drafter-port": args.drafter_port,
              "--dashboard-port": args.dashboard_port, "--metrics-port": args.metrics_port}
+    if args.speculator:
+        ports["--speculator-port"] = args.speculator_port
     if not args.no_live:
         ports |= {"--indexer-port": args.indexer_port,
                   "--indexer-metrics-port": args.indexer_metrics_port}
@@ -145,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     except NoDatastore as exc:
         print(f"sssd up: error: {exc}", file=sys.stderr)
         return 2
-    redis_server = indexer = drafter = frontend = None
+    redis_server = indexer = drafter = speculator = frontend = None
     publish = None
     stopping = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stopping.set())
@@ -174,6 +194,12 @@ def run(args: argparse.Namespace) -> int:
         drafter = start_drafter(datastore, vocab, fingerprint, args.host, args.drafter_port)
         print(f"[2/5] drafter service on {args.host}:{args.drafter_port} (pid {drafter.pid})",
               flush=True)
+        if args.speculator:
+            speculator = start_speculator(args.speculator_model or args.model,
+                                          args.speculator_draft_layers, args.host,
+                                          args.speculator_port)
+            print(f"      speculator service on {speculator_target} (pid {speculator.pid})",
+                  flush=True)
         config = from_args(FrontendConfig, args, include=FRONTEND_FLAGS, publish=publish,
                            **frontend_values)
         frontend = start_frontend(config)
@@ -203,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if frontend is not None:
             frontend.stop(args.grace_s if not args.once else 0)
+        stop_process(speculator)
         stop_process(drafter)
         stop_process(indexer)
         if redis_server is not None:

@@ -55,7 +55,7 @@ class RoundInput:
     seq_id: str
     token_ids: Sequence[int]
     num_accepted: int = 0
-    budget: int = 1
+    budget: int = 1  # draft-tree nodes, root included: budget - 1 drafts at most (0, 1: none)
     is_start: bool = False
     temperature: float = 0.0
     seed: int = 0
@@ -228,8 +228,8 @@ class Speculator:
             if not 0 <= i.temperature <= MAX_TEMPERATURE or math.isnan(i.temperature):
                 raise ValueError(f"{i.seq_id}: temperature must be in [0, {MAX_TEMPERATURE}], "
                                  f"got {i.temperature}")
-            if i.budget < 1:
-                raise ValueError(f"{i.seq_id}: budget must be >= 1, got {i.budget}")
+            if i.budget < 0:
+                raise ValueError(f"{i.seq_id}: budget must be >= 0, got {i.budget}")
             bad = [t for t in i.token_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"{i.seq_id}: token ids must be in [0, {self.vocab_size}), got "

@@ -2,7 +2,7 @@
 
 One table instead of if/elif chains on mode strings. Implementations are imported when built,
 so an engine that drafts through a remote service never loads the C++ core, and one that does
-not speculate loads neither grpc nor the core. A new source (the speculator) registers here.
+not speculate loads neither grpc nor the core. A new source registers here.
 """
 
 from __future__ import annotations
@@ -41,10 +41,34 @@ def _sssd_drafter(use_datastore: bool) -> ProposerFactory:
     return build
 
 
+def _ssd_speculator(config: EngineConfig, loaded: LoadedModel) -> Proposer:
+    """SSD drafting by the speculator service; its misses above the critical batch size are
+    drafted by SSSD (the drafter service or the in-process core, as for mode sssd). The
+    tokenizer fingerprint is checked at connect: a draft model with another tokenizer is
+    refused before any request is served."""
+    from sssd.speculator.client import RemoteSpeculator, SsdProposer
+
+    assert config.speculator_target is not None  # EngineConfig checks it
+    remote = RemoteSpeculator(config.speculator_target, timeout_s=config.speculator_timeout_s)
+    try:
+        info = remote.info()
+    except Exception:
+        remote.close()
+        raise
+    theirs = info["tokenizer_fingerprint"]
+    if theirs and theirs != loaded.fingerprint:
+        remote.close()
+        raise ValueError(f"the speculator at {config.speculator_target} drafts with tokenizer "
+                         f"{theirs}, the target's is {loaded.fingerprint}: refused")
+    return SsdProposer(remote, _sssd_drafter(use_datastore=True)(config, loaded),
+                       fingerprint=loaded.fingerprint)
+
+
 PROPOSERS: dict[str, ProposerFactory] = {
     "ar": _no_proposer,
     "prompt_lookup": _sssd_drafter(use_datastore=False),
     "sssd": _sssd_drafter(use_datastore=True),
+    "ssd": _ssd_speculator,
 }
 
 

@@ -180,5 +180,8 @@ def test_bad_rounds_raise_and_change_nothing(make_speculator, mt_bench_prompts,
                    .token_ids) == 3
         assert speculator.round([RoundInput("a", [1], 0)], target_model_fp32.fingerprint)
         assert speculator.end(["a", "unknown"]) == 1 and speculator.num_sequences == 0
+        speculator.drain()  # shutting down: rounds are refused (UNAVAILABLE over gRPC)
+        with pytest.raises(ConnectionError, match="draining"):
+            speculator.round([RoundInput("n", [1, 2], budget=4, is_start=True)])
     finally:
         speculator.close()

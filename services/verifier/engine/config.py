@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 from sssd.common.flags import option
 
-# ar: no speculation (the baseline); prompt_lookup: input trie only; sssd: trie + datastore.
+# ar: no speculation (the baseline); prompt_lookup: input trie only; sssd: trie + datastore;
+# ssd: the speculator service's draft model, SSSD for its fallback.
 # sssd.verifier.proposers maps each mode to the proposer that drafts for it.
-MODES = ("ar", "prompt_lookup", "sssd")
+MODES = ("ar", "prompt_lookup", "sssd", "ssd")
 BUDGET_POLICIES = ("rule", "measured")
 DTYPES = ("bfloat16", "float32")
 ATTENTIONS = ("sdpa", "eager")
@@ -32,7 +33,9 @@ class EngineConfig:
         "of rows beside it, so bfloat16 plain decoding gives the same answer at every batch size "
         "(bench/batch_invariance.py); float32 is the exact mode either way", choices=ATTENTIONS)
     mode: str = option("sssd", "ar: no speculation; prompt_lookup: input trie only; sssd: "
-                       "input trie + datastore", choices=MODES)
+                       "input trie + datastore; ssd: the speculator service (--speculator), "
+                       "with SSSD drafting its misses above the critical batch size",
+                       choices=MODES)
     max_batch_size: int = option(8, "running sequences (KV-cache slots)")
     max_len: int = option(4096, "cache positions per sequence: prompt + output + one draft "
                           "tree")
@@ -48,6 +51,11 @@ class EngineConfig:
         None, "host:port of a drafter service; unset: the SSSD core runs in this process",
         aliases=("--drafter",))
     drafter_timeout_s: float = option(0.5, "past this a step decodes without speculation")
+    speculator_target: str | None = option(
+        None, "host:port of the speculator service (mode ssd)", aliases=("--speculator",))
+    speculator_timeout_s: float = option(
+        2.0, "past this a step decodes without the speculator (its first round of a sequence "
+        "writes the prompt into the draft model's cache)")
     datastore_dir: str | None = option(
         None, "datastore of the in-process drafter (mode sssd)", aliases=("--datastore",))
     profile_path: str | None = option(
@@ -70,6 +78,9 @@ class EngineConfig:
             (self.knee_intensity > 0, "knee_intensity must be > 0"),
             (1 <= self.max_budget <= 256, "max_budget must be in [1, 256]"),
             (self.drafter_timeout_s > 0, "drafter_timeout_s must be > 0"),
+            (self.speculator_timeout_s > 0, "speculator_timeout_s must be > 0"),
+            (self.mode != "ssd" or self.speculator_target is not None,
+             "mode ssd needs the speculator service: --speculator HOST:PORT"),
         ]
         for ok, message in checks:
             if not ok:

@@ -63,7 +63,7 @@ class SequenceRound(_message.Message):
     """k: how many drafts of the previous round the verifier accepted."""
     budget: _builtins.int
     """Most draft-tree nodes this round, root included (the verifier's s_q): at most budget - 1
-    draft tokens come back. 1 asks for none (the state is still updated).
+    draft tokens come back. 0 or 1 asks for none (the state is still updated).
     """
     temperature: _builtins.float
     """0 for greedy decoding; > 0: drafts are sampled (Saguaro sampling) and their draft
@@ -137,9 +137,9 @@ class SequenceDrafts(_message.Message):
     from it.
     """
     fallback: _builtins.bool
-    """The speculator drafted nothing for this sequence (a miss above the critical batch size, or
-    a budget of 1): the caller drafts with its fallback (the SSSD drafter) or decodes without
-    drafts. The next Round of the sequence then sends its new tokens with num_accepted 0.
+    """The speculator drafted nothing for this sequence because it missed above the critical
+    batch size: the caller drafts with its fallback (the SSSD drafter) or decodes without
+    drafts. (A budget of 0 or 1 gets no drafts and no fallback flag.) The next Round of the sequence then sends its new tokens with num_accepted 0.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
