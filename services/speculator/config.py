@@ -35,6 +35,10 @@ class SpeculatorConfig:
     saguaro_c: float = option(
         1.0, "Saguaro sampling constant C in (0, 1]: drafts at temperature > 0 are sampled "
         "with the top-F tokens' probability scaled by C (1: plain draft sampling)")
+    speculate_ahead: bool = option(
+        True, "draft ahead for the predicted outcomes while the verifier verifies (SSD); off: "
+        "every round drafts just in time, which is ordinary speculative decoding with the same "
+        "draft model (the benchmark's baseline)")
     critical_batch_size: int = option(
         -1, "b*: at most this many sequences in a round draft a miss just in time with the "
         "draft model; above it a miss falls back to the caller's SSSD drafter. -1: chosen "

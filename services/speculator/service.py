@@ -75,7 +75,8 @@ def build_speculator(config: SpeculatorConfig, loaded=None) -> Speculator:  # ty
         runner, vocab_size=loaded.vocab_size, fingerprint=loaded.fingerprint,
         lookahead=config.lookahead, fanout_budget=config.fanout_budget,
         fanout_kind=config.fanout, saguaro_c=config.saguaro_c,
-        critical_batch_size=config.critical_batch_size, max_batch_size=config.max_batch_size)
+        critical_batch_size=config.critical_batch_size, max_batch_size=config.max_batch_size,
+        speculate_ahead=config.speculate_ahead)
     speculator.model_name = loaded.name + (f"[:{config.draft_layers} layers]"
                                            if config.draft_layers else "")
     speculator.device = str(device)

@@ -107,7 +107,7 @@ class Speculator:
     def __init__(self, runner: DraftRunner, *, vocab_size: int, fingerprint: str | None,
                  lookahead: int = 3, fanout_budget: int = 12, fanout_kind: str = "geometric",
                  saguaro_c: float = 1.0, critical_batch_size: int = -1,
-                 max_batch_size: int = 64) -> None:
+                 max_batch_size: int = 64, speculate_ahead: bool = True) -> None:
         self.runner = runner
         self.vocab_size = vocab_size
         self.fingerprint = fingerprint
@@ -117,6 +117,7 @@ class Speculator:
         self.saguaro_c = saguaro_c
         self.fixed_critical_batch_size = critical_batch_size
         self.max_batch_size = max_batch_size
+        self.speculate_ahead = speculate_ahead  # False: every round drafts just in time
         self.max_sequences = runner.cache.max_seqs
         self.estimator = FanoutEstimator()
         self.stats = SpeculatorStats()
@@ -148,7 +149,7 @@ class Speculator:
             outputs = self._apply(inputs)
             self._answered_at = time.perf_counter()
             rows = [self._seqs[i.seq_id] for i in inputs if self._seqs[i.seq_id].sent]
-            if rows:
+            if rows and self.speculate_ahead:
                 self._pending = self._executor.submit(self._speculate_logged, rows)
             return outputs
 

