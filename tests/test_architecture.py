@@ -63,7 +63,10 @@ def test_the_indexer_imports_nothing_from_the_verifier():
 
 def test_lower_packages_do_not_import_higher_ones():
     higher = {"common": ("sssd.datastore", "sssd.drafter", "sssd.verifier", "sssd.indexer",
-                         "sssd.cli", "sssd.client"),
+                         "sssd.cli", "sssd.client", "sssd.speculator"),
+              # The speculator is a service of its own: it shares only sssd.common.
+              "speculator": ("sssd.datastore", "sssd.drafter", "sssd.verifier", "sssd.indexer",
+                             "sssd.cli", "sssd.client"),
               "datastore": ("sssd.drafter", "sssd.verifier", "sssd.indexer", "sssd.cli"),
               "drafter": ("sssd.verifier", "sssd.indexer", "sssd.cli"),
               "client": ("sssd.verifier", "sssd.drafter", "sssd.indexer", "sssd.cli")}
@@ -91,6 +94,11 @@ def test_drafters_implement_the_proposer_protocol(tmp_path):
     remote = RemoteDrafter("127.0.0.1:1", timeout_s=0.1)
     assert isinstance(remote, Proposer)
     remote.close()
+    from sssd.speculator.client import RemoteSpeculator, SsdProposer
+
+    ssd = SsdProposer(RemoteSpeculator("127.0.0.1:1", timeout_s=0.1))
+    assert isinstance(ssd, Proposer)
+    ssd.close()
 
 
 def test_a_drafter_used_before_start_is_refused():
@@ -127,6 +135,9 @@ def test_default_ports_are_distinct_and_the_configs_use_them():
     values = [v for k, v in vars(ports).items() if k.endswith("_PORT")]
     assert len(values) == len(set(values))
     assert DrafterConfig().port == ports.DRAFTER_PORT != FrontendConfig().port
+    from sssd.speculator.config import SpeculatorConfig
+
+    assert SpeculatorConfig().port == ports.SPECULATOR_PORT
 
 
 def test_flags_come_from_the_config_fields():

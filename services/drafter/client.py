@@ -17,7 +17,7 @@ import numpy as np
 
 from sssd.common.draft_tree import DraftTree
 from sssd.common.drafting import CapacityError, DraftRequest, SequenceNotFound
-from sssd.drafter.status import parse_unknown_ids
+from sssd.common.status import parse_unknown_ids
 from sssd.v1 import drafter_pb2, drafter_pb2_grpc
 
 

@@ -23,7 +23,7 @@ from sssd.common.draft_tree import DraftTree
 from sssd.common.drafting import CapacityError, DraftRequest, SequenceNotFound
 from sssd.drafter.config import DrafterConfig
 from sssd.drafter.drafter import Drafter
-from sssd.drafter.status import unknown_ids_details
+from sssd.common.status import unknown_ids_details
 from sssd.v1 import drafter_pb2, drafter_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import numpy as np
 
 from sssd.common.draft_tree import DraftTree
 from sssd.common.drafting import CapacityError, DraftRequest, Proposer, SequenceNotFound
-from sssd.drafter.status import parse_unknown_ids
+from sssd.common.status import parse_unknown_ids
 from sssd.speculator.speculator import FingerprintMismatch, RoundInput, RoundOutput
 from sssd.v1 import speculator_pb2, speculator_pb2_grpc
 

@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sssd.common.drafting import CapacityError, SequenceNotFound
-from sssd.drafter.status import unknown_ids_details
+from sssd.common.status import unknown_ids_details
 from sssd.speculator.config import SpeculatorConfig
 from sssd.speculator.speculator import FingerprintMismatch, RoundInput, Speculator
 from sssd.v1 import speculator_pb2, speculator_pb2_grpc

@@ -27,7 +27,7 @@ from sssd.drafter.client import RemoteDrafter
 from sssd.drafter.config import DrafterConfig
 from sssd.drafter.drafter import Drafter
 from sssd.drafter.service import create_server
-from sssd.drafter.status import parse_unknown_ids
+from sssd.common.status import parse_unknown_ids
 from sssd.v1 import drafter_pb2, drafter_pb2_grpc
 
 VOCAB = 100

@@ -1,8 +1,10 @@
-"""The drafter protocol's NOT_FOUND details, written by the service and read by its client.
+"""The NOT_FOUND details of the drafter and speculator protocols, written by each service and
+read by its client.
 
-drafter.proto: the details of NOT_FOUND are the literal prefix `unknown seq_ids ` followed by a
-JSON array of every unknown id of the request, so the caller can re-send exactly those with
-their full context. Kept apart from both ends so the client does not import the server.
+drafter.proto and speculator.proto: the details of NOT_FOUND are the literal prefix
+`unknown seq_ids ` followed by a JSON array of every unknown id of the request, so the caller can
+re-send exactly those with their full context. Kept apart from both ends so a client does not
+import its server.
 """
 
 from __future__ import annotations
