@@ -51,7 +51,7 @@ def start_speculator(args: argparse.Namespace, fanout: str, ahead: bool,
     command = [console_script("sssd-speculator"), "--model", args.draft, "--dtype", args.dtype,
                "--lookahead", str(args.lookahead), "--fanout-budget", str(fanout_budget),
                "--fanout", fanout, "--num-threads", "1", "--critical-batch-size", "64",
-               "--port", str(port), "--max-len", "2048"]
+               "--port", str(port), "--max-len", "2048", "--metrics-port", "0"]
     if not ahead:
         command.append("--no-speculate-ahead")
     return start_service("speculator", command, "127.0.0.1", port, timeout_s=600), \

@@ -49,11 +49,11 @@ def start_drafter(datastore: Path, vocab_size: int, fingerprint: str, host: str,
         str(port)], host, port)
 
 
-def start_speculator(model: str | None, draft_layers: int, host: str,
-                     port: int) -> subprocess.Popen:
+def start_speculator(model: str | None, draft_layers: int, host: str, port: int,
+                     metrics_port: int) -> subprocess.Popen:
     """The speculator service as a child process, once healthy (its draft model loaded)."""
     command = [console_script("sssd-speculator"), "--draft-layers", str(draft_layers),
-               "--host", host, "--port", str(port)]
+               "--host", host, "--port", str(port), "--metrics-port", str(metrics_port)]
     if model is not None:
         command += ["--model", model]
     return start_service("speculator", command, host, port)

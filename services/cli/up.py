@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from sssd.cli.datastores import add_datastore_arguments
     from sssd.common.flags import add_flags
     from sssd.common.ports import (DRAFTER_PORT, INDEXER_METRICS_PORT, INDEXER_PORT, REDIS_PORT,
-                                   SPECULATOR_PORT)
+                                   SPECULATOR_METRICS_PORT, SPECULATOR_PORT)
     from sssd.indexer.indexer import IndexerConfig
     from sssd.verifier.engine.config import EngineConfig
     from sssd.verifier.serving.config import FrontendConfig, RayConfig
@@ -82,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "drafts its misses above the critical batch size)")
     stack.add_argument("--speculator-port", type=int, default=SPECULATOR_PORT,
                        help=f"the speculator service (default {SPECULATOR_PORT})")
+    stack.add_argument("--speculator-metrics-port", type=int, default=SPECULATOR_METRICS_PORT,
+                       help="the speculator's Prometheus endpoint (default "
+                       f"{SPECULATOR_METRICS_PORT})")
     stack.add_argument("--speculator-model", default=None,
                        help="its draft model, with the target's tokenizer (default: the target "
                        "model, cut to --speculator-draft-layers)")
@@ -148,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
              "--dashboard-port": args.dashboard_port, "--metrics-port": args.metrics_port}
     if args.speculator:
         ports["--speculator-port"] = args.speculator_port
+        ports["--speculator-metrics-port"] = args.speculator_metrics_port
     if not args.no_live:
         ports |= {"--indexer-port": args.indexer_port,
                   "--indexer-metrics-port": args.indexer_metrics_port}
@@ -197,8 +201,9 @@ def run(args: argparse.Namespace) -> int:
         if args.speculator:
             speculator = start_speculator(args.speculator_model or args.model,
                                           args.speculator_draft_layers, args.host,
-                                          args.speculator_port)
-            print(f"      speculator service on {speculator_target} (pid {speculator.pid})",
+                                          args.speculator_port, args.speculator_metrics_port)
+            print(f"      speculator service on {speculator_target} (pid {speculator.pid}), "
+                  f"metrics http://127.0.0.1:{args.speculator_metrics_port}/metrics",
                   flush=True)
         config = from_args(FrontendConfig, args, include=FRONTEND_FLAGS, publish=publish,
                            **frontend_values)

@@ -8,6 +8,7 @@ DRAFTER_PORT = 50051  # the SSSD drafter service (proto/sssd/v1/drafter.proto)
 SPECULATOR_PORT = 50081  # the SSD speculator service (proto/sssd/v1/speculator.proto)
 INDEXER_PORT = 50071  # the indexer's gRPC health service
 INDEXER_METRICS_PORT = 9108  # the indexer's Prometheus endpoint
+SPECULATOR_METRICS_PORT = 9109  # the speculator's Prometheus endpoint
 RAY_DASHBOARD_PORT = 8265  # the local Ray cluster's dashboard
 RAY_METRICS_PORT = 8080  # the local Ray node's Prometheus endpoint (decode/prefill metrics)
 REDIS_PORT = 6379  # the embedded redis-server of the live datastore

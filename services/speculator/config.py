@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from sssd.common.flags import add_flags, from_args, option
-from sssd.common.ports import SPECULATOR_PORT
+from sssd.common.ports import SPECULATOR_METRICS_PORT, SPECULATOR_PORT
 from sssd.speculator.fanout import FANOUTS
 
 ENV_PREFIX = "SSSD_SPECULATOR_"
@@ -48,6 +48,9 @@ class SpeculatorConfig:
     max_len: int = option(4096, "positions per sequence in the draft model's KV cache")
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(SPECULATOR_PORT, "gRPC port (0: any free port)")
+    metrics_port: int = option(SPECULATOR_METRICS_PORT, "Prometheus endpoint on 127.0.0.1 "
+                               "(cache hit rate, misses by kind, acceptance, fan-out, draft "
+                               "latency); 0: off")
     max_workers: int = option(4, "gRPC handler threads")
     grace_s: float = option(5.0, "drain time for in-flight calls at shutdown")
 
@@ -67,6 +70,7 @@ class SpeculatorConfig:
             (1 <= self.max_sequences <= 1024, "max_sequences must be in [1, 1024]"),
             (self.max_len >= 64, "max_len must be >= 64"),
             (0 <= self.port <= 65535, "port must be in [0, 65535]"),
+            (0 <= self.metrics_port <= 65535, "metrics_port must be in [0, 65535]"),
             (self.max_workers >= 1, "max_workers must be >= 1"),
             (self.grace_s >= 0, "grace_s must be >= 0"),
         ]

@@ -123,6 +123,58 @@ def info_message(s: Speculator) -> speculator_pb2.SpeculatorInfo:
         critical_batch_size=s.critical_batch_size())
 
 
+class SpeculatorCollector:
+    """Prometheus metrics read from the speculator at scrape time (no update loop)."""
+
+    def __init__(self, speculator: Speculator) -> None:
+        self._speculator = speculator
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self._speculator
+        stats = s.stats
+        counters = [("rounds", "Round calls", stats.rounds),
+                    ("sequence_rounds", "Sequences in Round calls", stats.rows),
+                    ("hits", "Sequence rounds served from the speculation cache", stats.hits),
+                    ("speculate_seconds", "Background speculation time", stats.speculate_s),
+                    ("wait_seconds", "Time rounds waited for the speculation", stats.wait_s),
+                    ("jit_seconds", "Just-in-time drafting time on misses", stats.jit_s)]
+        for name, text, value in counters:
+            yield CounterMetricFamily(f"sssd_speculator_{name}", text, value=value)
+        misses = CounterMetricFamily("sssd_speculator_misses", "Cache misses by what drafted "
+                                     "them", labels=["kind"])
+        misses.add_metric(["jit"], stats.misses_jit)
+        misses.add_metric(["fallback"], stats.misses_fallback)
+        yield misses
+        predicted = stats.hits + stats.misses_jit + stats.misses_fallback
+        gauges = [("hit_rate", "Hits over sequence rounds that needed drafts",
+                   stats.hits / predicted if predicted else 0.0),
+                  ("acceptance_rate", "Online estimate of the acceptance rate a",
+                   s.estimator.acceptance),
+                  ("miss_exponent", "Online estimate of the miss exponent r",
+                   s.estimator.miss_exponent),
+                  ("critical_batch_size", "b*: largest batch drafting misses just in time",
+                   s.critical_batch_size()),
+                  ("sequences", "Live sequences", s.num_sequences)]
+        for name, text, value in gauges:
+            yield GaugeMetricFamily(f"sssd_speculator_{name}", text, value=value)
+        fanout = GaugeMetricFamily("sssd_speculator_fanout", "Predicted bonus tokens per "
+                                   "outcome k at the current estimates", labels=["k"])
+        for k, f in enumerate(s.current_fanout()):
+            fanout.add_metric([str(k)], f)
+        yield fanout
+
+
+def start_metrics(speculator: Speculator, port: int) -> None:
+    """Serves the speculator's metrics at http://127.0.0.1:port/metrics."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry()
+    registry.register(SpeculatorCollector(speculator))
+    start_http_server(port, addr="127.0.0.1", registry=registry)
+
+
 def _call(context: grpc.ServicerContext, rpc: str, fn: Callable[[], T]) -> T:
     try:
         return fn()
@@ -174,9 +226,13 @@ def serve(config: SpeculatorConfig) -> None:
         torch.set_num_threads(config.num_threads)
     speculator = build_speculator(config)
     server, port, health_servicer = create_server(config, speculator)
+    if config.metrics_port:
+        start_metrics(speculator, config.metrics_port)
     logger.info("speculator (%s on %s, K=%d, B=%d %s) listening on %s",
                 speculator.model_name, speculator.device, config.lookahead,
-                config.fanout_budget, config.fanout, _address(config.host, port))
+                config.fanout_budget, config.fanout, _address(config.host, port)
+                + (f", metrics on 127.0.0.1:{config.metrics_port}/metrics"
+                   if config.metrics_port else ""))
     is_stopping = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:

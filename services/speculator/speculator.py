@@ -410,6 +410,10 @@ class Speculator:
         token = int(torch.multinomial(probs, 1, generator=seq.generator))
         return token, float(probs[token])
 
+    def current_fanout(self) -> list[int]:
+        """F_0..F_K for a full round of `lookahead` drafts at the current estimates."""
+        return self._current_fanout(self.lookahead)
+
     def _current_fanout(self, num_drafts: int) -> list[int]:
         return fanout(self.fanout_kind, max(self.fanout_budget, num_drafts + 1), num_drafts,
                       self.estimator.acceptance, self.estimator.miss_exponent)

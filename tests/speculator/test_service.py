@@ -158,3 +158,38 @@ def test_mode_ssd_refuses_a_draft_model_with_another_tokenizer(service, target_m
         make_proposer(config, target_model_fp32)
     with pytest.raises(ValueError, match="--speculator"):
         EngineConfig(mode="ssd")
+
+
+def test_prometheus_scrape_has_every_metric(make_speculator, free_port, mt_bench_prompts):
+    import urllib.request
+
+    from sssd.speculator.service import start_metrics
+    from sssd.speculator.speculator import RoundInput
+
+    speculator = make_speculator(8, lookahead=3, fanout_budget=8)
+    try:
+        port = free_port()
+        start_metrics(speculator, port)
+        prompt = list(mt_bench_prompts[2])
+        drafts = speculator.round([RoundInput("m", prompt, budget=4, is_start=True)])[0].token_ids
+        speculator._wait_for_speculation()
+        (k, bonus) = next(iter(speculator._seqs["m"].predictions))
+        assert speculator.round([RoundInput("m", drafts[:k] + [bonus], k, budget=4)])[0].hit
+        speculator._wait_for_speculation()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                  if line.startswith("sssd_speculator_")}
+        assert values["sssd_speculator_rounds_total"] == 2
+        assert values["sssd_speculator_hits_total"] == 1
+        assert values['sssd_speculator_misses_total{kind="jit"}'] == 1
+        assert values['sssd_speculator_misses_total{kind="fallback"}'] == 0
+        assert values["sssd_speculator_hit_rate"] == 0.5
+        assert values["sssd_speculator_speculate_seconds_total"] > 0
+        assert values["sssd_speculator_jit_seconds_total"] > 0
+        assert 0 < values["sssd_speculator_acceptance_rate"] < 1
+        assert values["sssd_speculator_sequences"] == 1
+        fanout = [values[f'sssd_speculator_fanout{{k="{k}"}}'] for k in range(4)]
+        assert sum(fanout) == 8 and min(fanout) >= 1
+    finally:
+        speculator.close()
