@@ -76,10 +76,9 @@ def build_speculator(config: SpeculatorConfig, loaded=None) -> Speculator:  # ty
         lookahead=config.lookahead, fanout_budget=config.fanout_budget,
         fanout_kind=config.fanout, saguaro_c=config.saguaro_c,
         critical_batch_size=config.critical_batch_size, max_batch_size=config.max_batch_size,
-        speculate_ahead=config.speculate_ahead)
-    speculator.model_name = loaded.name + (f"[:{config.draft_layers} layers]"
-                                           if config.draft_layers else "")
-    speculator.device = str(device)
+        speculate_ahead=config.speculate_ahead, device=str(device),
+        model_name=loaded.name + (f"[:{config.draft_layers} layers]" if config.draft_layers
+                                  else ""))
     return speculator
 
 
@@ -112,9 +111,9 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
 def info_message(s: Speculator) -> speculator_pb2.SpeculatorInfo:
     stats = s.stats
     return speculator_pb2.SpeculatorInfo(
-        model_name=getattr(s, "model_name", ""), tokenizer_fingerprint=s.fingerprint or "",
+        model_name=s.model_name, tokenizer_fingerprint=s.fingerprint or "",
         vocab_size=s.vocab_size, lookahead=s.lookahead, fanout_budget=s.fanout_budget,
-        fanout=s.fanout_kind, device=getattr(s, "device", "cpu"),
+        fanout=s.fanout_kind, device=s.device,
         max_batch_size=s.max_batch_size, max_sequences=s.max_sequences,
         num_sequences=s.num_sequences, rounds=stats.rounds, hits=stats.hits,
         misses_jit=stats.misses_jit, misses_fallback=stats.misses_fallback,

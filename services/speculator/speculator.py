@@ -107,8 +107,11 @@ class Speculator:
     def __init__(self, runner: DraftRunner, *, vocab_size: int, fingerprint: str | None,
                  lookahead: int = 3, fanout_budget: int = 12, fanout_kind: str = "geometric",
                  saguaro_c: float = 1.0, critical_batch_size: int = -1,
-                 max_batch_size: int = 64, speculate_ahead: bool = True) -> None:
+                 max_batch_size: int = 64, speculate_ahead: bool = True,
+                 model_name: str = "", device: str = "cpu") -> None:
         self.runner = runner
+        self.model_name = model_name  # for GetInfo and logs
+        self.device = device
         self.vocab_size = vocab_size
         self.fingerprint = fingerprint
         self.lookahead = lookahead
@@ -490,8 +493,7 @@ class Speculator:
                 outcome: _Prediction(drafts[slot][b], draft_probs[slot][b])
                 for b, outcome in enumerate(outcomes)}
             # Only the chain is needed from here on; branches may be overwritten.
-            self.runner.set_live_end(
-                slot, seq.cache_len + len(seq.tokens) - seq.cache_len + len(seq.sent))
+            self.runner.set_live_end(slot, len(seq.tokens) + len(seq.sent))
 
 
 def _ewma(previous: float | None, value: float, weight: float = 0.2) -> float:

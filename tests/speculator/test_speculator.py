@@ -8,10 +8,11 @@ from sssd.speculator.client import SsdProposer
 from sssd.speculator.speculator import FingerprintMismatch, RoundInput
 from sssd.verifier.engine import GenerateRequest, SamplingParams
 
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 PROMPTS = (0, 3, 5, 7)  # indices into mt_bench_prompts
 # (batch size, prompts): one prompt at a time, and all four in one batch.
 BATCHES = [(1, 2), (4, 4)]
+CHEAP_BATCHES = [(1, 1), (4, 4)]  # the 8-layer draft misses often: each miss drafts in line
 
 
 def generate(engine, prompts, batch_size, sampling=None):
@@ -51,7 +52,7 @@ def test_draft_equal_to_target_hits_every_round(batch_size, num_prompts, make_sp
         engine.close()
 
 
-@pytest.mark.parametrize("batch_size,num_prompts", BATCHES)
+@pytest.mark.parametrize("batch_size,num_prompts", CHEAP_BATCHES)
 def test_cheap_draft_is_exact_with_hits_and_misses(batch_size, num_prompts, make_speculator,
                                                   engine_factory, target_model_fp32,
                                                   mt_bench_prompts, greedy_references):
