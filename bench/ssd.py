@@ -93,7 +93,8 @@ def run(loaded, proposer, prompts: list[list[int]], batch_size: int, temperature
         engine.proposer = None  # the caller closes it (it holds the speculator connection)
     num_tokens = sum(len(o) for o in outputs)
     return dict(outputs=outputs, tok_s=num_tokens / elapsed, elapsed_s=elapsed,
-                num_tokens=num_tokens, tokens_per_step=stats.num_tokens / max(1, stats.num_row_steps),
+                num_tokens=num_tokens,
+                tokens_per_step=stats.num_tokens / max(1, stats.num_row_steps),
                 accepted_per_step=stats.num_accepted / max(1, stats.num_row_steps),
                 draft_ms_per_step=1e3 * stats.draft_s / max(1, stats.num_steps),
                 verify_ms_per_step=1e3 * stats.verify_s / max(1, stats.num_steps),
@@ -154,12 +155,12 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     cases = [(s, b, t) for s in sets for b in batch_sizes for t in temperatures]
-    runs = [(c, args.fanout_budget) for c in args.configs.split(",")]
-    runs += [("ssd_geometric", int(b)) for b in args.sweep_fanout.split(",") if b]
+    # (configuration, fan-out budget, sweep point: the first case only)
+    runs = [(c, args.fanout_budget, False) for c in args.configs.split(",")]
+    runs += [("ssd_geometric", int(b), True) for b in args.sweep_fanout.split(",") if b]
     reference: dict = {}
     rows = []
-    for index, (config, fanout_budget) in enumerate(runs):
-        is_sweep = index >= len(runs) - len([b for b in args.sweep_fanout.split(",") if b])
+    for config, fanout_budget, is_sweep in runs:
         process = remote = None
         try:
             if config in ("sd", "ssd_uniform", "ssd_geometric"):

@@ -16,8 +16,8 @@ import grpc
 import numpy as np
 
 from sssd.common.draft_tree import DraftTree
-from sssd.common.drafting import CapacityError, DraftRequest, SequenceNotFound
-from sssd.common.status import parse_unknown_ids
+from sssd.common.drafting import DraftRequest
+from sssd.common.rpc import CLIENT_CHANNEL_OPTIONS, unary
 from sssd.v1 import drafter_pb2, drafter_pb2_grpc
 
 
@@ -48,16 +48,7 @@ class RemoteDrafter:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.target = target
         self.timeout_s = timeout_s
-        # Starting a batch of long prompts may exceed gRPC's default 4 MiB message limit. The
-        # drafter is a neighbour on the same node or rack: after it restarts, reconnect within a
-        # second (gRPC's default backoff grows to two minutes, all of them without speculation).
-        self._channel = grpc.insecure_channel(
-            target, options=[("grpc.max_send_message_length", -1),
-                             ("grpc.max_receive_message_length", -1),
-                             ("grpc.initial_reconnect_backoff_ms", 100),
-                             ("grpc.min_reconnect_backoff_ms", 100),
-                             ("grpc.max_reconnect_backoff_ms", 1000)]
-        )
+        self._channel = grpc.insecure_channel(target, options=CLIENT_CHANNEL_OPTIONS)
         self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
@@ -96,22 +87,4 @@ class RemoteDrafter:
         self.close()
 
     def _call(self, method: Any, message: Any) -> Any:
-        try:
-            return method(message, timeout=self.timeout_s)
-        except grpc.RpcError as err:
-            raise self._to_python_error(err) from err
-
-    def _to_python_error(self, err: grpc.RpcError) -> Exception:
-        code: grpc.StatusCode = err.code()  # type: ignore[attr-defined]
-        details: str = err.details() or ""  # type: ignore[attr-defined]
-        if code == grpc.StatusCode.NOT_FOUND:
-            return SequenceNotFound(parse_unknown_ids(details))
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            return ValueError(details)
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return CapacityError(details)
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return TimeoutError(f"drafter at {self.target}: no answer in {self.timeout_s} s")
-        if code == grpc.StatusCode.UNAVAILABLE:
-            return ConnectionError(f"drafter at {self.target} unavailable: {details}")
-        return RuntimeError(f"drafter at {self.target}: {code.name}: {details}")
+        return unary(method, message, "drafter", self.target, self.timeout_s)

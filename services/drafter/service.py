@@ -20,10 +20,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sssd.common.draft_tree import DraftTree
-from sssd.common.drafting import CapacityError, DraftRequest, SequenceNotFound
+from sssd.common.drafting import DraftRequest
+from sssd.common.rpc import address, call_or_abort
 from sssd.drafter.config import DrafterConfig
 from sssd.drafter.drafter import Drafter
-from sssd.common.status import unknown_ids_details
 from sssd.v1 import drafter_pb2, drafter_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -89,29 +89,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
 def _call(context: grpc.ServicerContext, rpc: str, fn: Callable[[], T]) -> T:
     """Runs fn, turning the drafter's exceptions into the status codes of drafter.proto."""
-    try:
-        return fn()
-    except SequenceNotFound as err:
-        code, details = grpc.StatusCode.NOT_FOUND, unknown_ids_details(err.seq_ids)
-    except CapacityError as err:
-        code, details = grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
-    except ValueError as err:
-        code, details = grpc.StatusCode.INVALID_ARGUMENT, str(err)
-    except Exception:
-        logger.exception("%s failed", rpc)
-        code, details = grpc.StatusCode.INTERNAL, f"{rpc} failed inside the drafter (logged)"
-    context.abort(code, details)  # raises
-    raise AssertionError("unreachable")
+    return call_or_abort(context, rpc, fn, "drafter")
 
 
 def _max_request_bytes(config: DrafterConfig) -> int:
     """A bound on a legal ProposeRequest: full contexts for a whole batch (<= 5 bytes a token)."""
     per_sequence = 5 * config.max_tokens_per_sequence + 1024
     return min(_MAX_MESSAGE_BYTES, config.max_batch_size * per_sequence + 1024)
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def _start(
@@ -132,7 +116,7 @@ def _start(
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        port = server.add_insecure_port(_address(config.host, config.port))
+        port = server.add_insecure_port(address(config.host, config.port))
         server.start()
     except BaseException:
         if owns_drafter:
@@ -159,7 +143,7 @@ def create_server(
 def serve(config: DrafterConfig) -> None:
     """Serves until SIGTERM or SIGINT, then drains in-flight calls for config.grace_s seconds."""
     server, port, drafter, health_servicer = _start(config, None)
-    logger.info("drafter listening on %s", _address(config.host, port))
+    logger.info("drafter listening on %s", address(config.host, port))
     is_stopping = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:

@@ -21,8 +21,8 @@ import grpc
 import numpy as np
 
 from sssd.common.draft_tree import DraftTree
-from sssd.common.drafting import CapacityError, DraftRequest, Proposer, SequenceNotFound
-from sssd.common.status import parse_unknown_ids
+from sssd.common.drafting import DraftRequest, Proposer, SequenceNotFound
+from sssd.common.rpc import CLIENT_CHANNEL_OPTIONS, unary
 from sssd.speculator.speculator import FingerprintMismatch, RoundInput, RoundOutput
 from sssd.v1 import speculator_pb2, speculator_pb2_grpc
 
@@ -38,19 +38,14 @@ class RoundBackend(Protocol):
 
 class RemoteSpeculator:
     """A client of one speculator (`sssd-speculator`) at `target` ("host:port"). Errors map as
-    in `RemoteDrafter`; FAILED_PRECONDITION becomes `FingerprintMismatch`."""
+    in `RemoteDrafter` (sssd.common.rpc); FAILED_PRECONDITION becomes `FingerprintMismatch`."""
 
     def __init__(self, target: str, timeout_s: float = 1.0) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(
-            target, options=[("grpc.max_send_message_length", -1),
-                             ("grpc.max_receive_message_length", -1),
-                             ("grpc.initial_reconnect_backoff_ms", 100),
-                             ("grpc.min_reconnect_backoff_ms", 100),
-                             ("grpc.max_reconnect_backoff_ms", 1000)])
+        self._channel = grpc.insecure_channel(target, options=CLIENT_CHANNEL_OPTIONS)
         self._stub = speculator_pb2_grpc.SpeculatorStub(self._channel)
 
     def round(self, inputs: Sequence[RoundInput],
@@ -80,26 +75,8 @@ class RemoteSpeculator:
         self._channel.close()
 
     def _call(self, method: Any, message: Any) -> Any:
-        try:
-            return method(message, timeout=self.timeout_s)
-        except grpc.RpcError as err:
-            code: grpc.StatusCode = err.code()  # type: ignore[attr-defined]
-            details: str = err.details() or ""  # type: ignore[attr-defined]
-            if code == grpc.StatusCode.NOT_FOUND:
-                raise SequenceNotFound(parse_unknown_ids(details)) from err
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ValueError(details) from err
-            if code == grpc.StatusCode.FAILED_PRECONDITION:
-                raise FingerprintMismatch(details) from err
-            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise CapacityError(details) from err
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise TimeoutError(f"speculator at {self.target}: no answer in "
-                                   f"{self.timeout_s} s") from err
-            if code == grpc.StatusCode.UNAVAILABLE:
-                raise ConnectionError(f"speculator at {self.target} unavailable: "
-                                      f"{details}") from err
-            raise RuntimeError(f"speculator at {self.target}: {code.name}: {details}") from err
+        return unary(method, message, "speculator", self.target, self.timeout_s,
+                     extra=[(grpc.StatusCode.FAILED_PRECONDITION, FingerprintMismatch)])
 
 
 @dataclass
@@ -134,13 +111,13 @@ class SsdProposer:
         unknown = [r.seq_id for r in requests if not r.is_start and r.seq_id not in self._seqs]
         if unknown:
             raise SequenceNotFound(unknown)
-        inputs = [self._round_input(r) for r in requests]
+        news = [_ints(r.token_ids) for r in requests]
+        inputs = [self._round_input(r, new) for r, new in zip(requests, news)]
         outputs = self.backend.round(inputs, self.fingerprint)
         # The round succeeded: only now does the tracked state change (a failed call changes
         # none, so the engine's re-send after an error finds it as it was).
-        for request, output in zip(requests, outputs):
+        for request, new, output in zip(requests, news, outputs):
             tracked = self._seqs.get(request.seq_id)
-            new = _ints(request.token_ids)
             if request.is_start or tracked is None:
                 tracked = self._seqs[request.seq_id] = _Tracked(new)
             else:
@@ -187,8 +164,7 @@ class SsdProposer:
             if close is not None:
                 close()
 
-    def _round_input(self, request: DraftRequest) -> RoundInput:
-        new = _ints(request.token_ids)
+    def _round_input(self, request: DraftRequest, new: list[int]) -> RoundInput:
         tracked = self._seqs.get(request.seq_id)
         common = dict(budget=request.budget, temperature=request.temperature, seed=request.seed)
         if request.is_start or tracked is None:
@@ -205,18 +181,19 @@ class SsdProposer:
         roots = [DraftTree.root_only(self._seqs[r.seq_id].tokens[-1]) for r in requests]
         if self.fallback is None:
             return roots
-        try:
-            return self._fallback_propose(requests)
-        except SequenceNotFound as missing:
-            for seq_id in missing.seq_ids:
-                self._seqs[seq_id].fallback_len = 0
+        for attempt in range(2):
             try:
                 return self._fallback_propose(requests)
-            except Exception as exc:  # noqa: BLE001
-                logger.warning("fallback drafter failed (%s); decoding these without drafts",
-                               exc)
-        except Exception as exc:  # noqa: BLE001 - the step goes on without drafts
-            logger.warning("fallback drafter failed (%s); decoding these without drafts", exc)
+            except SequenceNotFound as missing:  # it lost them: full contexts, once
+                for seq_id in missing.seq_ids:
+                    self._seqs[seq_id].fallback_len = 0
+                if attempt == 0:
+                    continue
+                logger.warning("fallback drafter lost %s twice; decoding without drafts",
+                               missing.seq_ids)
+            except Exception as exc:  # noqa: BLE001 - the step goes on without drafts
+                logger.warning("fallback drafter failed (%s); decoding without drafts", exc)
+            break
         self.counters.fallback_errors += 1
         for r in requests:
             self._seqs[r.seq_id].fallback_len = 0

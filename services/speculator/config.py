@@ -6,11 +6,11 @@ import argparse
 from dataclasses import dataclass
 
 from sssd.common.flags import add_flags, from_args, option
+from sssd.common.model_loader import ALLOWED_DTYPES as DTYPES
 from sssd.common.ports import SPECULATOR_METRICS_PORT, SPECULATOR_PORT
 from sssd.speculator.fanout import FANOUTS
 
 ENV_PREFIX = "SSSD_SPECULATOR_"
-DTYPES = ("bfloat16", "float32")
 
 
 @dataclass(frozen=True)

@@ -64,13 +64,6 @@ class DraftRunner:
         # nodes of a step are written above it.
         self._high = [0] * max_seqs
 
-    def room(self, slot_end: int, num_nodes: int) -> bool:
-        """Whether `num_nodes` more nodes fit above position `slot_end` (padding included)."""
-        return slot_end + num_nodes + 2 * _KV_ALIGN <= self.capacity
-
-    def release(self, slot: int) -> None:
-        self._high[slot] = 0
-
     @torch.inference_mode()
     def forward(self, nodes: Mapping[int, Sequence[Node]],
                 keep: Mapping[int, Sequence[int]]) -> dict[int, torch.Tensor]:

@@ -13,14 +13,13 @@ import signal
 import threading
 from collections.abc import Callable
 from concurrent import futures
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from sssd.common.drafting import CapacityError, SequenceNotFound
-from sssd.common.status import unknown_ids_details
+from sssd.common.rpc import address, call_or_abort
 from sssd.speculator.config import SpeculatorConfig
 from sssd.speculator.speculator import FingerprintMismatch, RoundInput, Speculator
 from sssd.v1 import speculator_pb2, speculator_pb2_grpc
@@ -29,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = speculator_pb2.DESCRIPTOR.services_by_name["Speculator"].full_name
 T = TypeVar("T")
+
+if TYPE_CHECKING:
+    from sssd.common.model_loader import LoadedModel
 
 
 def truncated(model, num_layers: int):  # type: ignore[no-untyped-def]
@@ -54,8 +56,9 @@ def truncated(model, num_layers: int):  # type: ignore[no-untyped-def]
     return draft
 
 
-def build_speculator(config: SpeculatorConfig, loaded=None) -> Speculator:  # type: ignore[no-untyped-def]
-    """Loads the draft model (or takes `loaded`, a LoadedModel) and builds the core."""
+def build_speculator(config: SpeculatorConfig,
+                     loaded: LoadedModel | None = None) -> Speculator:
+    """Loads the draft model (or takes `loaded`) and builds the core."""
     import torch
 
     from sssd.common.model_loader import load_causal_lm
@@ -174,28 +177,13 @@ def start_metrics(speculator: Speculator, port: int) -> None:
     start_http_server(port, addr="127.0.0.1", registry=registry)
 
 
+# The speculator's own rows in front of the shared table: FingerprintMismatch is a ValueError.
+_SPECULATOR_ERRORS = ((FingerprintMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+                      (ConnectionError, grpc.StatusCode.UNAVAILABLE))  # draining
+
+
 def _call(context: grpc.ServicerContext, rpc: str, fn: Callable[[], T]) -> T:
-    try:
-        return fn()
-    except SequenceNotFound as err:
-        code, details = grpc.StatusCode.NOT_FOUND, unknown_ids_details(err.seq_ids)
-    except CapacityError as err:
-        code, details = grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
-    except FingerprintMismatch as err:
-        code, details = grpc.StatusCode.FAILED_PRECONDITION, str(err)
-    except ValueError as err:
-        code, details = grpc.StatusCode.INVALID_ARGUMENT, str(err)
-    except ConnectionError as err:
-        code, details = grpc.StatusCode.UNAVAILABLE, str(err)
-    except Exception:
-        logger.exception("%s failed", rpc)
-        code, details = grpc.StatusCode.INTERNAL, f"{rpc} failed inside the speculator (logged)"
-    context.abort(code, details)  # raises
-    raise AssertionError("unreachable")
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    return call_or_abort(context, rpc, fn, "speculator", _SPECULATOR_ERRORS)
 
 
 def create_server(config: SpeculatorConfig, speculator: Speculator
@@ -209,7 +197,7 @@ def create_server(config: SpeculatorConfig, speculator: Speculator
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(_address(config.host, config.port))
+    port = server.add_insecure_port(address(config.host, config.port))
     server.start()
     for service in (SERVICE_NAME, ""):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -229,7 +217,7 @@ def serve(config: SpeculatorConfig) -> None:
         start_metrics(speculator, config.metrics_port)
     logger.info("speculator (%s on %s, K=%d, B=%d %s) listening on %s",
                 speculator.model_name, speculator.device, config.lookahead,
-                config.fanout_budget, config.fanout, _address(config.host, port)
+                config.fanout_budget, config.fanout, address(config.host, port)
                 + (f", metrics on 127.0.0.1:{config.metrics_port}/metrics"
                    if config.metrics_port else ""))
     is_stopping = threading.Event()

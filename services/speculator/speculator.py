@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from sssd.common.drafting import CapacityError, SequenceNotFound
@@ -163,7 +162,7 @@ class Speculator:
             for seq_id in seq_ids:
                 seq = self._seqs.pop(seq_id, None)
                 if seq is not None:
-                    self.runner.release(seq.slot)
+                    self.runner.set_live_end(seq.slot, 0)
                     self._free_slots.append(seq.slot)
                     ended += 1
             return ended
@@ -337,7 +336,7 @@ class Speculator:
     def _start(self, i: RoundInput) -> _SeqState:
         old = self._seqs.pop(i.seq_id, None)
         slot = old.slot if old is not None else self._free_slots.pop()
-        self.runner.release(slot)
+        self.runner.set_live_end(slot, 0)
         generator = torch.Generator().manual_seed(i.seed)
         seq = _SeqState(slot, list(i.token_ids), 0, i.temperature, generator)
         self._seqs[i.seq_id] = seq

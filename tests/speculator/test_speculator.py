@@ -28,46 +28,46 @@ def generate(engine, prompts, batch_size, sampling=None):
     return answers
 
 
+def exact_ssd_run(make_speculator, engine_factory, loaded, mt_bench_prompts, greedy_references,
+                  draft_layers, fanout_budget, batch_size, num_prompts):
+    """Greedy answers through an in-process speculator (K = 3, b* = 8) must equal plain greedy
+    decoding; returns the speculator's and the engine's statistics."""
+    speculator = make_speculator(draft_layers, lookahead=3, fanout_budget=fanout_budget,
+                                 critical_batch_size=8)
+    engine, _ = engine_factory(4, proposer=SsdProposer(speculator, fingerprint=loaded.fingerprint),
+                               max_budget=4)
+    try:
+        indices = PROMPTS[:num_prompts]
+        answers = generate(engine, [mt_bench_prompts[i] for i in indices], batch_size)
+        assert answers == [greedy_references[i][:MAX_TOKENS] for i in indices]
+        return speculator.stats, engine.stats
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("batch_size,num_prompts", BATCHES)
 def test_draft_equal_to_target_hits_every_round(batch_size, num_prompts, make_speculator,
                                                engine_factory, target_model_fp32,
                                                mt_bench_prompts, greedy_references):
     """The sharp check of the cache keys and the outcome prediction: with the target as its own
     draft every draft is accepted and every outcome was predicted."""
-    speculator = make_speculator(0, lookahead=3, fanout_budget=8, critical_batch_size=8)
-    proposer = SsdProposer(speculator, fingerprint=target_model_fp32.fingerprint)
-    engine, _ = engine_factory(4, proposer=proposer, max_budget=4)
-    try:
-        indices = PROMPTS[:num_prompts]
-        prompts = [mt_bench_prompts[i] for i in indices]
-        answers = generate(engine, prompts, batch_size)
-        assert answers == [greedy_references[i][:MAX_TOKENS] for i in indices]
-        stats = speculator.stats
-        # One cold round per sequence (just in time); every later round is a cache hit.
-        assert stats.misses_jit == len(prompts) and stats.misses_fallback == 0
-        assert stats.hits == stats.rows - len(prompts) > 0
-        # Every verified step accepted all 3 drafts, except where the answer ended.
-        assert engine.stats.num_accepted >= 3 * (engine.stats.num_row_steps - 2 * len(prompts))
-    finally:
-        engine.close()
+    stats, engine_stats = exact_ssd_run(make_speculator, engine_factory, target_model_fp32,
+                                        mt_bench_prompts, greedy_references, 0, 8, batch_size,
+                                        num_prompts)
+    # One cold round per sequence (just in time); every later round is a cache hit.
+    assert stats.misses_jit == num_prompts and stats.misses_fallback == 0
+    assert stats.hits == stats.rows - num_prompts > 0
+    # Every verified step accepted all 3 drafts, except where the answer ended.
+    assert engine_stats.num_accepted >= 3 * (engine_stats.num_row_steps - 2 * num_prompts)
 
 
 @pytest.mark.parametrize("batch_size,num_prompts", CHEAP_BATCHES)
 def test_cheap_draft_is_exact_with_hits_and_misses(batch_size, num_prompts, make_speculator,
                                                   engine_factory, target_model_fp32,
                                                   mt_bench_prompts, greedy_references):
-    speculator = make_speculator(8, lookahead=3, fanout_budget=12, critical_batch_size=8)
-    proposer = SsdProposer(speculator, fingerprint=target_model_fp32.fingerprint)
-    engine, _ = engine_factory(4, proposer=proposer, max_budget=4)
-    try:
-        indices = PROMPTS[:num_prompts]
-        prompts = [mt_bench_prompts[i] for i in indices]
-        assert generate(engine, prompts, batch_size) == \
-            [greedy_references[i][:MAX_TOKENS] for i in indices]
-        stats = speculator.stats
-        assert stats.hits > 0 and stats.misses_jit > len(prompts)  # both paths exercised
-    finally:
-        engine.close()
+    stats, _ = exact_ssd_run(make_speculator, engine_factory, target_model_fp32,
+                             mt_bench_prompts, greedy_references, 8, 12, batch_size, num_prompts)
+    assert stats.hits > 0 and stats.misses_jit > num_prompts  # both paths exercised
 
 
 def test_misses_above_the_critical_batch_size_fall_back_to_sssd(
