@@ -9,6 +9,8 @@ adds its own rows (`extra`) for errors only it has.
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -92,3 +94,30 @@ def unary(method: Any, message: Any, service: str, target: str, timeout_s: float
         return method(message, timeout=timeout_s)
     except grpc.RpcError as err:
         raise python_error(err, service, target, timeout_s, extra) from err
+
+
+def serve_until_signal(server: grpc.Server, health_servicer: Any, grace_s: float,
+                       on_stop: Callable[[], None] | None = None) -> None:
+    """Blocks until SIGTERM or SIGINT, then: health NOT_SERVING (for watchers and load
+    balancers), `on_stop` in a thread of its own (a service's drain), in-flight calls given
+    `grace_s` seconds; a second signal cuts the grace period short. Restores the handlers."""
+    is_stopping = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        if is_stopping.is_set():
+            server.stop(0)
+            return
+        is_stopping.set()
+        logging.getLogger(__name__).info("%s: stopping, grace %.1f s",
+                                         signal.Signals(signum).name, grace_s)
+        health_servicer.enter_graceful_shutdown()
+        if on_stop is not None:
+            threading.Thread(target=on_stop, daemon=True).start()
+        server.stop(grace_s)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.wait_for_termination()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import TypeVar
@@ -21,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from sssd.common.draft_tree import DraftTree
 from sssd.common.drafting import DraftRequest
-from sssd.common.rpc import address, call_or_abort
+from sssd.common.rpc import address, call_or_abort, serve_until_signal
 from sssd.drafter.config import DrafterConfig
 from sssd.drafter.drafter import Drafter
 from sssd.v1 import drafter_pb2, drafter_pb2_grpc
@@ -144,23 +142,9 @@ def serve(config: DrafterConfig) -> None:
     """Serves until SIGTERM or SIGINT, then drains in-flight calls for config.grace_s seconds."""
     server, port, drafter, health_servicer = _start(config, None)
     logger.info("drafter listening on %s", address(config.host, port))
-    is_stopping = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        if is_stopping.is_set():  # a second signal cuts the grace period short
-            server.stop(0)
-            return
-        is_stopping.set()
-        logger.info("%s: stopping, grace %.1f s", signal.Signals(signum).name, config.grace_s)
-        health_servicer.enter_graceful_shutdown()  # NOT_SERVING for watchers and load balancers
-        server.stop(config.grace_s)
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server.wait_for_termination()
+        serve_until_signal(server, health_servicer, config.grace_s)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         drafter.close()
     logger.info("drafter stopped")
 

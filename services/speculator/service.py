@@ -9,8 +9,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import signal
-import threading
 from collections.abc import Callable
 from concurrent import futures
 from typing import TYPE_CHECKING, TypeVar
@@ -19,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from sssd.common.rpc import address, call_or_abort
+from sssd.common.rpc import address, call_or_abort, serve_until_signal
 from sssd.speculator.config import SpeculatorConfig
 from sssd.speculator.speculator import FingerprintMismatch, RoundInput, Speculator
 from sssd.v1 import speculator_pb2, speculator_pb2_grpc
@@ -220,24 +218,9 @@ def serve(config: SpeculatorConfig) -> None:
                 config.fanout_budget, config.fanout, address(config.host, port)
                 + (f", metrics on 127.0.0.1:{config.metrics_port}/metrics"
                    if config.metrics_port else ""))
-    is_stopping = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        if is_stopping.is_set():
-            server.stop(0)
-            return
-        is_stopping.set()
-        logger.info("%s: draining, grace %.1f s", signal.Signals(signum).name, config.grace_s)
-        health_servicer.enter_graceful_shutdown()
-        threading.Thread(target=speculator.drain, daemon=True).start()
-        server.stop(config.grace_s)
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server.wait_for_termination()
+        serve_until_signal(server, health_servicer, config.grace_s, on_stop=speculator.drain)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         speculator.close()
     logger.info("speculator stopped")
 
