@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
                                    max_len=max_len), loaded)
     sssd = build_engine(EngineConfig(mode="sssd", dtype=args.dtype, max_batch_size=1,
                                      max_len=max_len, datastore_dir=str(datastore)), loaded)
-    drafter = sssd.proposer
+    drafter = sssd.proposer.proposers["sssd"]  # the in-process drafter behind the router
     for engine in (ar, sssd):
         engine.generate([prompts[0][:16]], 4)  # warm-up
     rows, fed, tokens = [], 0, 0

@@ -9,7 +9,7 @@
     sssd chat                       multi-turn chat with a running server
 
 Every Generate field has an option: --max-tokens, --temperature, --top-p, --top-k, --seed,
---stop (repeatable), --speculation auto|off|sssd. --stats prints the totals after the answer.
+--stop (repeatable), --speculation auto|off|sssd|ssd. --stats prints the totals after the answer.
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ def add_request_options(parser: argparse.ArgumentParser) -> None:
                         help="seeds sampling: the same seed, prompt and settings give the same "
                         "answer (default: a random seed)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--speculation", default="auto", choices=("auto", "off", "sssd"),
-                        help="auto (default): the server decides; off: no drafts; sssd: drafts "
-                        "from the SSSD drafter")
+    parser.add_argument("--speculation", default="auto", choices=("auto", "off", "sssd", "ssd"),
+                        help="auto (default): the server decides (by measured speed where it "
+                        "has several sources); off: no drafts; sssd: drafts from the SSSD "
+                        "drafter; ssd: from the speculator (servers started with --speculator)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline per call, seconds")
     parser.add_argument("--stats", action="store_true", help="print the totals afterwards")
 

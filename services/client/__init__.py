@@ -26,7 +26,8 @@ from sssd.v1 import generate_pb2, generate_pb2_grpc
 
 SPECULATION = {"auto": generate_pb2.SPECULATION_MODE_AUTO,
                "off": generate_pb2.SPECULATION_MODE_OFF,
-               "sssd": generate_pb2.SPECULATION_MODE_SSSD}
+               "sssd": generate_pb2.SPECULATION_MODE_SSSD,
+               "ssd": generate_pb2.SPECULATION_MODE_SSD}
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
 

@@ -33,6 +33,9 @@ class DraftRequest:
     # drafts at this temperature); n-gram sources ignore them. Drafts never change the output.
     temperature: float = 0.0
     seed: int = 0
+    # The drafting source the request asked for (the API's speculation mode: "sssd", "ssd");
+    # "" lets a SourceRouter choose by measured cost. Single sources ignore it.
+    source: str = ""
 
 
 class SequenceNotFound(KeyError):
@@ -78,4 +81,13 @@ class Proposer(Protocol):
 
     def close(self) -> None:
         """Releases the proposer's resources (threads, connections); idempotent."""
+        ...
+
+
+@runtime_checkable
+class CountingProposer(Proposer, Protocol):
+    """A proposer with counters of its own to report (the SSD client: cache hits, misses,
+    fallbacks), exported beside the router's per-source measurements."""
+
+    def counts(self) -> dict[str, int]:
         ...

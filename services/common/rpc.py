@@ -39,11 +39,6 @@ CLIENT_CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1),
                           ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
-def address(host: str, port: int) -> str:
-    """host:port, with an IPv6 host in brackets."""
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
 def call_or_abort(context: grpc.ServicerContext, rpc: str, fn: Callable[[], T], service: str,
                   extra: ErrorTable = ()) -> T:
     """Runs fn; an error in `extra` or DRAFTING_ERRORS aborts the call with its status (NOT_FOUND

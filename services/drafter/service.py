@@ -19,7 +19,8 @@ from grpc_reflection.v1alpha import reflection
 
 from sssd.common.draft_tree import DraftTree
 from sssd.common.drafting import DraftRequest
-from sssd.common.rpc import address, call_or_abort, serve_until_signal
+from sssd.common.rpc import call_or_abort, serve_until_signal
+from sssd.common.targets import address
 from sssd.drafter.config import DrafterConfig
 from sssd.drafter.drafter import Drafter
 from sssd.v1 import drafter_pb2, drafter_pb2_grpc

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import grpc
@@ -145,6 +145,11 @@ class SsdProposer:
     def append(self, requests: Sequence[DraftRequest]) -> None:
         self.propose([DraftRequest(r.seq_id, r.token_ids, 1, r.is_start, r.temperature, r.seed)
                       for r in requests])
+
+    def counts(self) -> dict[str, int]:
+        """Rounds, speculation-cache hits, just-in-time misses and SSSD fallbacks, as seen by
+        this client (the speculator's own endpoint has the service-wide figures)."""
+        return asdict(self.counters)
 
     def end(self, seq_ids: Sequence[str]) -> int:
         for seq_id in seq_ids:

@@ -17,7 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from sssd.common.rpc import address, call_or_abort, serve_until_signal
+from sssd.common.rpc import call_or_abort, serve_until_signal
+from sssd.common.targets import address
 from sssd.speculator.config import SpeculatorConfig
 from sssd.speculator.speculator import FingerprintMismatch, RoundInput, Speculator
 from sssd.v1 import speculator_pb2, speculator_pb2_grpc

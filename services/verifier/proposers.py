@@ -3,6 +3,11 @@
 One table instead of if/elif chains on mode strings. Implementations are imported when built,
 so an engine that drafts through a remote service never loads the C++ core, and one that does
 not speculate loads neither grpc nor the core. A new source registers here.
+
+A mode's sources are named by the API's speculation modes ("sssd", "ssd") and put behind a
+`SourceRouter`, so a request may ask for any source its server has, and `auto` picks the
+cheapest by measured cost where a server has several (mode ssd: the speculator, and the SSSD
+drafter that is also its fallback).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from collections.abc import Callable
 
 from sssd.common.drafting import Proposer
 from sssd.common.model_loader import LoadedModel
+from sssd.common.source_router import SourceRouter
 from sssd.verifier.engine.config import EngineConfig
 
 # (config, model) -> the proposer, or None to decode without speculation.
@@ -22,21 +28,28 @@ def _no_proposer(config: EngineConfig, loaded: LoadedModel) -> None:
 
 
 def _sssd_drafter(use_datastore: bool) -> ProposerFactory:
-    """SSSD drafting: the drafter service at `drafter_target` when set (its datastore is its
-    own), else the C++ core in this process, with the configured datastore or (prompt
-    lookup) the input trie alone."""
+    """SSSD drafting: the drafter service at `drafter_target` when set (one replica, or
+    several with sticky routing; its datastore is its own), else the C++ core in this process,
+    with the configured datastore or (prompt lookup) the input trie alone."""
 
     def build(config: EngineConfig, loaded: LoadedModel) -> Proposer:
         if config.drafter_target is not None:
-            from sssd.drafter.client import RemoteDrafter
+            from sssd.drafter.replicas import connect
 
-            return RemoteDrafter(config.drafter_target, timeout_s=config.drafter_timeout_s)
+            return connect(config.drafter_target, timeout_s=config.drafter_timeout_s)
         from sssd.drafter.config import DrafterConfig
         from sssd.drafter.drafter import Drafter
 
         datastore_dir = config.datastore_dir if use_datastore else None
         return Drafter(DrafterConfig(datastore_dir=datastore_dir, vocab_size=loaded.vocab_size,
                                      tokenizer_fingerprint=loaded.fingerprint)).start()
+
+    return build
+
+
+def _routed(name: str, factory: ProposerFactory) -> ProposerFactory:
+    def build(config: EngineConfig, loaded: LoadedModel) -> Proposer:
+        return SourceRouter({name: factory(config, loaded)})
 
     return build
 
@@ -60,14 +73,17 @@ def _ssd_speculator(config: EngineConfig, loaded: LoadedModel) -> Proposer:
         remote.close()
         raise ValueError(f"the speculator at {config.speculator_target} drafts with tokenizer "
                          f"{theirs}, the target's is {loaded.fingerprint}: refused")
-    return SsdProposer(remote, _sssd_drafter(use_datastore=True)(config, loaded),
-                       fingerprint=loaded.fingerprint)
+    # One SSSD drafter serves the sequences routed to "sssd" and the speculator's fallback
+    # (their sequence ids never collide: an id lives in one source); closing it twice is fine.
+    drafter = _sssd_drafter(use_datastore=True)(config, loaded)
+    return SourceRouter({"ssd": SsdProposer(remote, drafter, fingerprint=loaded.fingerprint),
+                         "sssd": drafter})
 
 
 PROPOSERS: dict[str, ProposerFactory] = {
     "ar": _no_proposer,
-    "prompt_lookup": _sssd_drafter(use_datastore=False),
-    "sssd": _sssd_drafter(use_datastore=True),
+    "prompt_lookup": _routed("sssd", _sssd_drafter(use_datastore=False)),
+    "sssd": _routed("sssd", _sssd_drafter(use_datastore=True)),
     "ssd": _ssd_speculator,
 }
 

@@ -160,6 +160,41 @@ def test_mode_ssd_refuses_a_draft_model_with_another_tokenizer(service, target_m
         EngineConfig(mode="ssd")
 
 
+def test_mode_ssd_serves_each_request_from_the_source_it_names(
+        service, engine_factory, target_model_fp32, mt_bench_prompts, greedy_references):
+    """The engine of mode ssd routes between the speculator and the SSSD drafter (here the
+    in-process core with the input trie alone): each named source serves its request, auto
+    takes one of them, and every answer is plain greedy decoding's."""
+    speculator, port = service
+    router = make_proposer(EngineConfig(mode="ssd", speculator_target=f"127.0.0.1:{port}",
+                                        dtype="float32"), target_model_fp32)
+    assert router.sources == ("ssd", "sssd")
+    engine, _ = engine_factory(3, proposer=router, max_budget=4)
+    try:
+        sequences = [engine.add_request(GenerateRequest(tuple(mt_bench_prompts[i]), 12,
+                                                        source=source))
+                     for i, source in enumerate(("ssd", "sssd", ""))]
+        owners = None
+        while engine.has_work():
+            engine.step()
+            if owners is None and all(router.source_of(s.request_id) for s in sequences):
+                owners = [router.source_of(s.request_id) for s in sequences]
+        for index, seq in enumerate(sequences):
+            assert seq.output_ids == greedy_references[index][:12]
+        assert owners[:2] == ["ssd", "sssd"] and owners[2] in ("ssd", "sssd")
+        summary = router.summary()
+        # Only the requests routed to ssd reached the speculator; its client counted them.
+        assert summary["ssd"]["rounds"] > 0 and summary["sssd"]["steps"] > 0
+        rounds, rows = summary["ssd"]["rounds"], speculator.stats.rows
+        if owners[2] == "sssd":
+            assert rows == rounds  # one sequence per round
+        else:
+            assert rounds < rows <= 2 * rounds
+        assert speculator.num_sequences == 0  # every sequence ended in the speculator
+    finally:
+        engine.close()
+
+
 def test_prometheus_scrape_has_every_metric(make_speculator, free_port, mt_bench_prompts):
     import urllib.request
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sssd.common.flags import option
+from sssd.common.targets import parse_targets
 
 # ar: no speculation (the baseline); prompt_lookup: input trie only; sssd: trie + datastore;
 # ssd: the speculator service's draft model, SSSD for its fallback.
@@ -48,8 +49,9 @@ class EngineConfig:
         "b * s_q (SmolLM2-135M on 2 CPU cores: about 16)")
     max_budget: int = option(32, "largest draft tree per sequence, root included")
     drafter_target: str | None = option(
-        None, "host:port of a drafter service; unset: the SSSD core runs in this process",
-        aliases=("--drafter",))
+        None, "the drafter service: host:port, or several replicas with sticky routing "
+        "(h1:p1,h2:p2,... or dns:///NAME:PORT, e.g. a headless Service); unset: the SSSD core "
+        "runs in this process", aliases=("--drafter",))
     drafter_timeout_s: float = option(0.5, "past this a step decodes without speculation")
     speculator_target: str | None = option(
         None, "host:port of the speculator service (mode ssd)", aliases=("--speculator",))
@@ -85,3 +87,5 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.drafter_target is not None:
+            parse_targets(self.drafter_target)  # ValueError naming the malformed part

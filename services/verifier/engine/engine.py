@@ -22,6 +22,7 @@ import torch
 
 from sssd.common.draft_tree import DraftTree
 from sssd.common.drafting import DraftRequest, Proposer, SequenceNotFound
+from sssd.common.source_router import SourceRouter
 from sssd.verifier.engine.acceptance import AcceptResult, accept_at_positions, accept_greedy
 from sssd.verifier.engine.budget_policy import BudgetPolicy
 from sssd.verifier.engine.detokenizer import Decode, IncrementalDetokenizer, find_stop
@@ -67,7 +68,10 @@ class Engine:
         self.proposer = proposer
         self.detokenize = detokenize
         self.scheduler = Scheduler(min(max_batch_size, runner.max_seqs), runner.move_slot)
-        self.limits = RequestLimits.for_context(runner.vocab_size, runner.max_len)
+        # A request may name a drafting source only when the proposer routes between named
+        # ones (sssd.verifier.proposers builds a SourceRouter for every speculating mode).
+        sources = proposer.sources if isinstance(proposer, SourceRouter) else ()
+        self.limits = RequestLimits.for_context(runner.vocab_size, runner.max_len, sources)
         self.stats = EngineStats()
         # Default request ids are unique per engine: engines that share a drafter service must
         # not collide on its per-sequence state.
@@ -229,7 +233,8 @@ class Engine:
     def _draft_requests(self, budgets: list[int]) -> list[DraftRequest]:
         return [DraftRequest(seq.request_id, seq.token_ids_from(seq.num_proposer_tokens), budget,
                              is_start=seq.num_proposer_tokens == 0,
-                             temperature=seq.request.sampling.temperature, seed=seq.seed)
+                             temperature=seq.request.sampling.temperature, seed=seq.seed,
+                             source=seq.request.source)
                 for seq, budget in zip(self.scheduler.running, budgets)]
 
     def _accept(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:

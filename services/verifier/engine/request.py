@@ -16,6 +16,9 @@ import numbers
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS, MAX_STOP_LEN = 8, 256
+# Drafting sources a request may name (the API's speculation modes sssd and ssd); a server
+# offers those its engine mode has (RequestLimits.sources).
+SOURCES = ("sssd", "ssd")
 
 
 class InvalidRequest(ValueError):
@@ -63,6 +66,9 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()  # generation ends before the first of these strings
     speculate: bool = True  # False: decode without drafts (speculation "off")
+    # The drafting source to use, one of SOURCES; "" (speculation "auto"): the server's choice,
+    # by measured cost where it has several.
+    source: str = ""
 
     def __post_init__(self) -> None:
         # Accept any sequence of ints at construction, keep an immutable tuple.
@@ -80,6 +86,9 @@ class GenerateRequest:
                 not isinstance(s, str) or not s or len(s) > MAX_STOP_LEN for s in self.stop):
             raise InvalidRequest(f"stop: at most {MAX_STOP_STRINGS} strings of 1 to "
                                  f"{MAX_STOP_LEN} characters")
+        if self.source and self.source not in SOURCES:
+            raise InvalidRequest(f"speculation: source {self.source!r} is not one of "
+                                 f"{', '.join(SOURCES)} (or empty: the server's choice)")
 
 
 @dataclass(frozen=True)
@@ -88,12 +97,14 @@ class RequestLimits:
 
     vocab_size: int  # token ids are in [0, vocab_size)
     max_prompt_tokens: int  # the context window leaves room for at least one new token
+    sources: tuple[str, ...] = ()  # the drafting sources the server has
 
     @classmethod
-    def for_context(cls, vocab_size: int, max_len: int) -> "RequestLimits":
+    def for_context(cls, vocab_size: int, max_len: int,
+                    sources: tuple[str, ...] = ()) -> "RequestLimits":
         """Limits of a KV cache of `max_len` positions: the prompt, one new token and the
         root of its first draft tree must fit."""
-        return cls(vocab_size, max_len - 2)
+        return cls(vocab_size, max_len - 2, tuple(sources))
 
     def check(self, request: GenerateRequest) -> None:
         """Raises InvalidRequest naming the field."""
@@ -105,4 +116,9 @@ class RequestLimits:
         if len(request.prompt_ids) > self.max_prompt_tokens:
             raise InvalidRequest(f"prompt: {len(request.prompt_ids)} tokens, the context window "
                                  f"allows at most {self.max_prompt_tokens}")
+        if request.speculate and request.source and request.source not in self.sources:
+            offered = ", ".join(self.sources) or "none: it decodes without speculation"
+            raise InvalidRequest(f"speculation: this server has no {request.source!r} drafting "
+                                 f"source (it has {offered}; ssd needs a server started with "
+                                 f"--speculator)")
 

@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 CHAT_ROLES = ("system", "user", "assistant")
+# The API's speculation mode -> the engine's drafting source ("" = the server's choice).
+SOURCE_OF_MODE = {generate_pb2.SPECULATION_MODE_AUTO: "",
+                  generate_pb2.SPECULATION_MODE_SSSD: "sssd",
+                  generate_pb2.SPECULATION_MODE_SSD: "ssd"}
 
 # The one place an error kind becomes a gRPC status.
 STATUS_OF_KIND = {
@@ -117,9 +121,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             temperature=float(request.temperature),
             top_p=float(request.top_p) if request.HasField("top_p") else 1.0,
             top_k=int(request.top_k), seed=request.seed if request.HasField("seed") else None)
+        mode = request.speculation
+        if mode != generate_pb2.SPECULATION_MODE_OFF and mode not in SOURCE_OF_MODE:
+            raise InvalidRequest(f"speculation: unknown mode {mode}")
         return GenerateRequest(
             tuple(prompt_ids), max_tokens, sampling, tuple(request.stop),
-            speculate=request.speculation != generate_pb2.SPECULATION_MODE_OFF)
+            speculate=mode != generate_pb2.SPECULATION_MODE_OFF,
+            source=SOURCE_OF_MODE.get(mode, ""))
 
     def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         from sssd.common.corpus import conversation_token_ids

@@ -276,9 +276,12 @@ def build_engine_loop(config: EngineConfig, loaded: LoadedModel, max_requests: i
         sink = ConversationSink(publish, loaded.fingerprint, worker=worker)
         publisher = sink.publisher
         observers.append(sink)
+    engine = build_engine(config, loaded, detokenize=True)
     if ray_metrics:
+        from sssd.common.source_router import SourceRouter
         from sssd.verifier.serving.metrics import DecodeMetrics
 
-        observers.append(DecodeMetrics(worker, publisher=publisher))
-    engine = build_engine(config, loaded, detokenize=True)
+        router = engine.proposer if isinstance(engine.proposer, SourceRouter) else None
+        observers.append(DecodeMetrics(worker, publisher=publisher,
+                                       drafting=router.summary if router else None))
     return EngineLoop(engine, max_requests, Observers(*observers)).start()

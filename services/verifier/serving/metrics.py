@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from sssd.common.totals import Totals
 from sssd.verifier.engine.output import StepOutput
@@ -29,8 +30,11 @@ GAUGE_REFRESH_S = 1.0
 class DecodeMetrics(LoopObserver):
     """The decode worker's metrics: requests, tokens, speed, speculation, queue, drafter."""
 
-    def __init__(self, worker: str, publisher=None) -> None:
-        """`publisher`: the worker's ConversationPublisher (live datastore), if any."""
+    def __init__(self, worker: str, publisher=None,
+                 drafting: Callable[[], dict[str, dict[str, float]]] | None = None) -> None:
+        """`publisher`: the worker's ConversationPublisher (live datastore), if any;
+        `drafting`: per drafting source, its measurements and counters (the engine's
+        SourceRouter.summary), read on the loop's thread."""
         from ray.util import metrics
 
         tags = ("worker",)
@@ -70,9 +74,16 @@ class DecodeMetrics(LoopObserver):
             "sssd_conversations", "Completed conversations for the live datastore, by state: "
             "published (in the stream), spooled (ever written to the disk spool while Redis was "
             "away), dropped (spool full)", tag_keys=("worker", "state"))
+        self.drafting = drafting
+        self.sources = metrics.Gauge(
+            "sssd_drafting_source", "Per drafting source (sssd, ssd), by stat: steps, sequences, "
+            "tokens_per_step, draft_ms, tokens_per_second (what speculation auto chooses by); "
+            "for ssd also rounds, hits, misses, fallbacks, fallback_errors of the speculation "
+            "cache", tag_keys=("worker", "source", "stat"))
         for metric in (self.requests, self.tokens, self.tokens_per_second, self.accepted,
                        self.budget, self.draft_ms, self.verify_ms, self.queue_depth, self.running,
-                       self.drafter_errors, self.drafter_fallbacks, self.conversations):
+                       self.drafter_errors, self.drafter_fallbacks, self.conversations,
+                       self.sources):
             metric.set_default_tags({"worker": worker})
         self._window: deque[tuple[float, int, int]] = deque(maxlen=WINDOW_STEPS)
         self._last: dict[str, float] = {}  # gauge values, re-set while idle
@@ -124,6 +135,10 @@ class DecodeMetrics(LoopObserver):
             stats = self.publisher.stats
             for state in ("published", "spooled", "dropped"):
                 self.conversations.set(getattr(stats, state), tags={"state": state})
+        if self.drafting is not None:
+            for source, stats in self.drafting().items():
+                for stat, value in stats.items():
+                    self.sources.set(float(value), tags={"source": source, "stat": stat})
 
 
 class PrefillMetrics:

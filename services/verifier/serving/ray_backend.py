@@ -86,7 +86,11 @@ class RayBackend:
         fingerprints = {info["fingerprint"] for info in infos}
         if len(fingerprints) != 1:
             raise RuntimeError(f"workers loaded models with different tokenizers: {infos}")
-        limits = RequestLimits.for_context(infos[0]["vocab_size"], self.engine_config.max_len)
+        # Every decode worker is built from the one engine config, so they offer the same
+        # drafting sources; a request naming another is refused here, before any prefill.
+        sources = infos[len(self._prefill)]["sources"]
+        limits = RequestLimits.for_context(infos[0]["vocab_size"], self.engine_config.max_len,
+                                           sources)
         self.admission = Admission(self.max_requests, limits)
         logger.info("Ray workers ready: %s", ", ".join(
             f"{i['name']} (pid {i['pid']}, {i['torch_threads']} torch threads)" for i in infos))

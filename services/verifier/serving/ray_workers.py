@@ -89,6 +89,9 @@ class DecodeWorker(_ModelWorker):
         self._early_cancels: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
 
+    def ready(self) -> dict:
+        return {**super().ready(), "sources": self.loop.limits.sources}
+
     def generate(self, request_id: str, request: GenerateRequest,
                  prefilled: PrefilledPrompt) -> Iterator[StreamEvent]:
         """Streams the request's events; the last one has totals or an error."""

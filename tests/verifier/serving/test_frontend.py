@@ -92,6 +92,7 @@ def test_text_and_chat_prompts_and_stop_strings(client, target_model_fp32, mt_be
     (dict(prompt=[1, 2, 10**6]), "outside the vocabulary"),
     (dict(prompt=[1] * MAX_LEN), "context window"),
     (dict(prompt="hi", stop=["x" * 300]), "stop"),
+    (dict(prompt="hi", speculation="ssd"), "--speculator"),  # this server has no speculator
 ])
 def test_bad_requests_are_invalid_argument(frontend, fields, field_name):
     stub = generate_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{frontend.port}"))
@@ -102,6 +103,21 @@ def test_bad_requests_are_invalid_argument(frontend, fields, field_name):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field_name in info.value.details()
     assert frontend.backend.num_requests == 0  # nothing was admitted
+
+
+def test_unknown_speculation_mode_is_invalid_argument(frontend):
+    stub = generate_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{frontend.port}"))
+    request = build_request("hi", max_tokens=4)
+    request.speculation = 7  # a mode from a newer client
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request, timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "speculation" in info.value.details()
+
+
+def test_speculation_sssd_names_the_servers_source(client, mt_bench_prompts, greedy_references):
+    chunks = list(client.stream(mt_bench_prompts[0], max_tokens=16, speculation="sssd"))
+    assert [t for c in chunks for t in c.token_ids] == greedy_references[0][:16]
 
 
 def test_cancel_frees_the_sequence_at_once(frontend, mt_bench_prompts, wait_until):

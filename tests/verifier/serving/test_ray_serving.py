@@ -182,7 +182,8 @@ def test_drafter_killed_then_restarted_over_the_api(client, drafter_service, mt_
 METRICS = ("sssd_requests", "sssd_tokens_generated", "sssd_tokens_per_second",
            "sssd_mean_accepted_tokens", "sssd_speculation_budget", "sssd_draft_latency_ms",
            "sssd_verify_step_latency_ms", "sssd_drafter_errors",
-           "sssd_drafter_fallbacks", "sssd_prefill_latency_ms", "sssd_conversations")
+           "sssd_drafter_fallbacks", "sssd_prefill_latency_ms", "sssd_conversations",
+           "sssd_drafting_source")
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -223,6 +224,14 @@ def test_metrics_on_the_prometheus_endpoint(client, stack, mt_bench_prompts, wai
     idle = scrape(url)
     assert {"sssd_queue_depth", "sssd_running_sequences", "sssd_tokens_per_second",
             "sssd_speculation_budget", "sssd_conversations"} <= set(idle)
+
+
+def test_a_source_the_workers_lack_is_refused_before_prefill(client, stack):
+    with pytest.raises(grpc.RpcError) as info:
+        client.generate("hi", max_tokens=4, speculation="ssd")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "no 'ssd' drafting source (it has sssd" in info.value.details()
+    assert stack.backend.num_requests == 0
 
 
 def test_the_cluster_refuses_a_wrong_token(stack):

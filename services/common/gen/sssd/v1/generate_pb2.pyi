@@ -43,20 +43,34 @@ class _SpeculationMode:
 class _SpeculationModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SpeculationMode.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     SPECULATION_MODE_AUTO: _SpeculationMode.ValueType  # 0
-    """The server's default: SSSD when it has a drafter, else off."""
+    """The server's choice: its one drafting source, or where it has several (a server with a
+    speculator has SSD and SSSD) the one with the most tokens per second as measured on the
+    requests it served; off when it has none.
+    """
     SPECULATION_MODE_OFF: _SpeculationMode.ValueType  # 1
     """Plain autoregressive decoding for this request."""
     SPECULATION_MODE_SSSD: _SpeculationMode.ValueType  # 2
     """SSSD drafts (input trie + datastore), verified losslessly."""
+    SPECULATION_MODE_SSD: _SpeculationMode.ValueType  # 3
+    """SSD drafts from the speculator's draft model (its misses above the critical batch size
+    drafted by SSSD); INVALID_ARGUMENT on a server started without a speculator.
+    """
 
 class SpeculationMode(_SpeculationMode, metaclass=_SpeculationModeEnumTypeWrapper): ...
 
 SPECULATION_MODE_AUTO: SpeculationMode.ValueType  # 0
-"""The server's default: SSSD when it has a drafter, else off."""
+"""The server's choice: its one drafting source, or where it has several (a server with a
+speculator has SSD and SSSD) the one with the most tokens per second as measured on the
+requests it served; off when it has none.
+"""
 SPECULATION_MODE_OFF: SpeculationMode.ValueType  # 1
 """Plain autoregressive decoding for this request."""
 SPECULATION_MODE_SSSD: SpeculationMode.ValueType  # 2
 """SSSD drafts (input trie + datastore), verified losslessly."""
+SPECULATION_MODE_SSD: SpeculationMode.ValueType  # 3
+"""SSD drafts from the speculator's draft model (its misses above the critical batch size
+drafted by SSSD); INVALID_ARGUMENT on a server started without a speculator.
+"""
 Global___SpeculationMode: _TypeAlias = SpeculationMode  # noqa: Y015
 
 @_typing.final

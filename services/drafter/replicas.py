@@ -1,0 +1,217 @@
+"""Sticky routing across drafter replicas: one `Proposer` over several `sssd-drafter` processes.
+
+A drafter keeps per-sequence state (the input trie, the match positions), so every call for a
+sequence must reach the replica that holds it. `ReplicatedDrafter` resolves the replicas (a
+static list, or every address of a DNS name: a Kubernetes headless Service), gives each new
+sequence to its rendezvous-hashing owner (the replica with the highest hash of (replica,
+seq_id)), and keeps a sequence on its replica while that replica lives. Rendezvous hashing moves
+only the sequences of a replica that leaves, and a new replica takes only new sequences.
+
+When a replica disappears (it left the DNS answer, or a call to it failed to connect) its
+sequences move through the drafting interface's re-send path: the call raises
+`SequenceNotFound` for them, the engine re-sends their full contexts with `is_start`, and they
+start on their new owners. A failed replica is skipped for `down_s` seconds and taken back only
+once the standard gRPC health check says it serves.
+
+Targets (`sssd.common.targets.parse_targets`): "host:port" (one replica), "h1:p1,h2:p2,..."
+(a static list), or "dns:///name:port" (re-resolved every `resolve_interval_s`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from sssd.common.draft_tree import DraftTree
+from sssd.common.drafting import DraftRequest, Proposer, SequenceNotFound
+from sssd.common.targets import Resolver, StaticResolver, parse_targets, rendezvous_owner
+from sssd.drafter.client import RemoteDrafter
+
+logger = logging.getLogger(__name__)
+
+class ReplicatedDrafter:
+    """A `Proposer` over drafter replicas with per-sequence stickiness; see the module doc."""
+
+    def __init__(self, resolver: Resolver, timeout_s: float = 1.0,
+                 resolve_interval_s: float = 5.0, down_s: float = 5.0,
+                 client: Callable[[str, float], Proposer] = RemoteDrafter) -> None:
+        if timeout_s <= 0 or resolve_interval_s <= 0 or down_s < 0:
+            raise ValueError("timeout_s and resolve_interval_s must be > 0, down_s >= 0")
+        self.resolver = resolver
+        self.timeout_s = timeout_s
+        self.resolve_interval_s = resolve_interval_s
+        self.down_s = down_s
+        self._client = client
+        self._clients: dict[str, Proposer] = {}
+        self._owner: dict[str, str] = {}  # seq_id -> the replica holding its state
+        self._resolved: list[str] = []
+        self._resolved_at = float("-inf")
+        self._down: dict[str, float] = {}  # replica -> monotonic time it may be probed again
+        self._pool = ThreadPoolExecutor(8, thread_name_prefix="drafter-replicas")
+        self.num_moved = 0  # sequences moved off a replica that left
+
+    # --- the Proposer protocol ---------------------------------------------------------------
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
+        live = self.live_replicas()
+        gone = [r.seq_id for r in requests
+                if not r.is_start and self._owner.get(r.seq_id) not in live]
+        if gone:  # their replica left (or they were never here): start them on their new owner
+            self.num_moved += sum(seq_id in self._owner for seq_id in gone)
+            for seq_id in gone:
+                self._owner.pop(seq_id, None)
+            raise SequenceNotFound(gone)
+        if not live:
+            raise ConnectionError(f"no drafter replica is reachable (resolved: "
+                                  f"{self._resolved or 'none'})")
+        targets = [rendezvous_owner(r.seq_id, live) if r.is_start else self._owner[r.seq_id]
+                   for r in requests]
+        rows_of: dict[str, list[int]] = {}
+        for row, target in enumerate(targets):
+            rows_of.setdefault(target, []).append(row)
+        futures = {target: self._pool.submit(self._clients[target].propose,
+                                             [requests[row] for row in rows])
+                   for target, rows in rows_of.items()}
+        trees: list[DraftTree | None] = [None] * len(requests)
+        failed: dict[str, BaseException] = {}
+        for target, future in futures.items():
+            try:
+                for row, tree in zip(rows_of[target], future.result()):
+                    trees[row] = tree
+            except Exception as exc:  # noqa: BLE001 - sorted out below
+                failed[target] = exc
+        if failed:
+            self._fail(failed, rows_of, requests)
+        stale: dict[str, list[str]] = {}  # restarted elsewhere: the old copy is dead weight
+        for request, target in zip(requests, targets):
+            previous = self._owner.get(request.seq_id)
+            if previous is not None and previous != target and previous in live:
+                stale.setdefault(previous, []).append(request.seq_id)
+            self._owner[request.seq_id] = target
+        for replica, ids in stale.items():
+            self._end_on(replica, ids)
+        return trees  # type: ignore[return-value]
+
+    def append(self, requests: Sequence[DraftRequest]) -> None:
+        self.propose([replace(request, budget=1) for request in requests])
+
+    def end(self, seq_ids: Sequence[str]) -> int:
+        by_replica: dict[str, list[str]] = {}
+        for seq_id in seq_ids:
+            owner = self._owner.pop(seq_id, None)
+            if owner is not None:
+                by_replica.setdefault(owner, []).append(seq_id)
+        return sum(self._end_on(replica, ids) for replica, ids in by_replica.items())
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+    # --- replicas ------------------------------------------------------------------------------
+
+    def live_replicas(self) -> list[str]:
+        """The resolved replicas not marked down, re-resolving every resolve_interval_s and
+        taking a down replica back once its health check answers SERVING."""
+        now = time.monotonic()
+        if now - self._resolved_at >= self.resolve_interval_s:
+            self._resolve(now)
+        for replica, until in list(self._down.items()):
+            if now >= until and replica in self._resolved:
+                if self._serving(replica):
+                    del self._down[replica]
+                    logger.info("drafter %s is back", replica)
+                else:
+                    self._down[replica] = now + self.down_s
+        return [r for r in self._resolved if r not in self._down]
+
+    def info(self) -> dict[str, Any]:
+        return {"replicas": list(self._resolved), "down": sorted(self._down),
+                "num_sequences": len(self._owner), "num_moved": self.num_moved}
+
+    def owner_of(self, seq_id: str) -> str | None:
+        return self._owner.get(seq_id)
+
+    def _resolve(self, now: float) -> None:
+        try:
+            resolved = self.resolver.resolve()
+        except OSError as exc:  # keep the last answer: DNS hiccups must not stop drafting
+            logger.warning("resolving the drafter replicas failed (%s); keeping %s", exc,
+                           self._resolved)
+            self._resolved_at = now
+            return
+        if resolved != self._resolved:
+            logger.info("drafter replicas: %s", ", ".join(resolved) or "none")
+        for replica in set(self._clients) - set(resolved):
+            self._clients.pop(replica).close()
+            self._down.pop(replica, None)
+        for replica in resolved:
+            if replica not in self._clients:
+                self._clients[replica] = self._client(replica, self.timeout_s)
+        self._resolved, self._resolved_at = resolved, now
+
+    def _end_on(self, replica: str, seq_ids: list[str]) -> int:
+        try:
+            return self._clients[replica].end(seq_ids)
+        except Exception as exc:  # noqa: BLE001 - a replica that is gone holds nothing
+            logger.warning("ending %d sequences on drafter %s failed: %s", len(seq_ids),
+                           replica, exc)
+            return 0
+
+    def _serving(self, replica: str) -> bool:
+        try:
+            with grpc.insecure_channel(replica) as channel:
+                answer = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=self.timeout_s)
+            return answer.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    def _fail(self, failed: dict[str, BaseException], rows_of: dict[str, list[int]],
+              requests: Sequence[DraftRequest]) -> None:
+        """Raises for a call that failed on some replicas. The replicas that answered took their
+        rows' tokens: those sequences are ended there, so the re-send the engine makes after
+        any error is exact. A replica that could not be reached is marked down and its
+        sequences raise SequenceNotFound, so the engine re-sends them to their new owners in
+        this same step."""
+        ok_ids = [requests[row].seq_id for target, rows in rows_of.items()
+                  if target not in failed for row in rows]
+        for target, rows in rows_of.items():
+            if target not in failed:
+                self._end_on(target, [requests[row].seq_id for row in rows])
+        missing = list(ok_ids)
+        other: BaseException | None = None
+        for target, exc in failed.items():
+            ids = [requests[row].seq_id for row in rows_of[target]]
+            if isinstance(exc, ConnectionError):
+                logger.warning("drafter %s is unreachable (%s): its %d sequences move", target,
+                               exc, sum(owner == target for owner in self._owner.values()))
+                self._down[target] = time.monotonic() + self.down_s
+                self.num_moved += sum(seq_id in self._owner for seq_id in ids)
+                for seq_id in ids:
+                    self._owner.pop(seq_id, None)
+                missing.extend(ids)
+            elif isinstance(exc, SequenceNotFound):  # the replica restarted and lost them
+                missing.extend(ids)
+            else:
+                other = exc
+        if other is not None:
+            raise other
+        raise SequenceNotFound(missing)
+
+
+def connect(target: str, timeout_s: float = 1.0) -> Proposer:
+    """The drafter client for a target: `RemoteDrafter` for one "host:port", else a
+    `ReplicatedDrafter` over the list or the DNS name."""
+    resolver = parse_targets(target)
+    if isinstance(resolver, StaticResolver) and len(resolver.targets) == 1:
+        return RemoteDrafter(resolver.targets[0], timeout_s=timeout_s)
+    return ReplicatedDrafter(resolver, timeout_s=timeout_s)

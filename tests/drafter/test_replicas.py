@@ -1,0 +1,199 @@
+"""Sticky routing across drafter replicas: rendezvous hashing, target parsing, the move of a
+lost replica's sequences, and three real drafter processes with one killed under load."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from sssd.common.draft_tree import DraftTree
+from sssd.common.drafting import DraftRequest, SequenceNotFound
+from sssd.common.targets import DnsResolver, StaticResolver, parse_targets, rendezvous_owner
+from sssd.drafter.client import RemoteDrafter
+from sssd.drafter.replicas import ReplicatedDrafter, connect
+from sssd.verifier.engine import GenerateRequest
+from sssd.verifier.engine.config import EngineConfig
+
+REPLICAS = ["10.0.0.1:50051", "10.0.0.2:50051", "10.0.0.3:50051"]
+
+
+def test_rendezvous_is_deterministic_balanced_and_moves_only_the_lost_replicas_sequences():
+    ids = [f"seq-{i}" for i in range(3000)]
+    owners = {seq_id: rendezvous_owner(seq_id, REPLICAS) for seq_id in ids}
+    assert owners == {seq_id: rendezvous_owner(seq_id, list(reversed(REPLICAS)))
+                      for seq_id in ids}  # the order of the list does not matter
+    for replica in REPLICAS:
+        assert 800 < sum(owner == replica for owner in owners.values()) < 1200
+    survivors = REPLICAS[:1] + REPLICAS[2:]
+    for seq_id, owner in owners.items():
+        new = rendezvous_owner(seq_id, survivors)
+        assert new == owner if owner != REPLICAS[1] else new in survivors
+
+
+def test_targets_are_parsed_and_malformed_ones_refused():
+    assert parse_targets("127.0.0.1:1") == StaticResolver(("127.0.0.1:1",))
+    assert parse_targets("a:1, b:2") == StaticResolver(("a:1", "b:2"))
+    assert parse_targets("dns:///drafter.ns.svc:50051") == DnsResolver("drafter.ns.svc", 50051)
+    assert DnsResolver("127.0.0.1", 7).resolve() == ["127.0.0.1:7"]
+    for bad in ("nohost", "a:1,a:1", "a:x", "dns:///name", "a:1,"):
+        with pytest.raises(ValueError):
+            parse_targets(bad)
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        EngineConfig(drafter_target="a:1,b")
+    single = connect("127.0.0.1:1")
+    several = connect("127.0.0.1:1,127.0.0.1:2")
+    assert isinstance(single, RemoteDrafter) and isinstance(several, ReplicatedDrafter)
+    single.close()
+    several.close()
+
+
+class FakeReplica:
+    """A drafter replica in this process: records contexts, can be made unreachable."""
+
+    def __init__(self, target: str, timeout_s: float) -> None:
+        self.target = target
+        self.contexts: dict[str, list[int]] = {}
+        self.is_up = True
+
+    def propose(self, requests):
+        if not self.is_up:
+            raise ConnectionError(f"drafter at {self.target} is unreachable")
+        missing = [r.seq_id for r in requests if not r.is_start and r.seq_id not in self.contexts]
+        if missing:
+            raise SequenceNotFound(missing)
+        for r in requests:
+            if r.is_start:
+                self.contexts[r.seq_id] = list(r.token_ids)
+            else:
+                self.contexts[r.seq_id].extend(r.token_ids)
+        return [DraftTree.root_only(self.contexts[r.seq_id][-1]) for r in requests]
+
+    def append(self, requests):
+        self.propose(requests)
+
+    def end(self, seq_ids):
+        if not self.is_up:
+            raise ConnectionError("unreachable")
+        return sum(self.contexts.pop(s, None) is not None for s in seq_ids)
+
+    def close(self):
+        pass
+
+
+def fake_cluster():
+    replicas = {}
+
+    def client(target, timeout_s):
+        replicas[target] = FakeReplica(target, timeout_s)
+        return replicas[target]
+
+    drafter = ReplicatedDrafter(StaticResolver(tuple(REPLICAS)), client=client, down_s=60)
+    return drafter, replicas
+
+
+def test_sequences_stick_to_their_owner_and_move_when_it_is_lost():
+    drafter, replicas = fake_cluster()
+    ids = [f"s{i}" for i in range(12)]
+    drafter.propose([DraftRequest(s, [1, 2], 4, is_start=True) for s in ids])
+    owners = {s: drafter.owner_of(s) for s in ids}
+    assert owners == {s: rendezvous_owner(s, REPLICAS) for s in ids}
+    assert len(set(owners.values())) == 3  # all three replicas hold some
+    drafter.propose([DraftRequest(s, [3], 4) for s in ids])
+    for s in ids:
+        assert replicas[owners[s]].contexts[s] == [1, 2, 3]  # one replica holds it all
+    lost = REPLICAS[1]
+    replicas[lost].is_up = False
+    with pytest.raises(SequenceNotFound) as missing:
+        drafter.propose([DraftRequest(s, [4], 4) for s in ids])
+    # Every sequence of the call must re-send: the lost replica's moved, the others' were
+    # ended where they had already taken the tokens (so the re-send is exact).
+    assert sorted(missing.value.seq_ids) == sorted(ids)
+    assert drafter.info()["down"] == [lost]
+    assert all(not r.contexts for t, r in replicas.items() if t != lost)
+    drafter.propose([DraftRequest(s, [1, 2, 3, 4], 4, is_start=True) for s in ids])
+    for s in ids:
+        owner = drafter.owner_of(s)
+        assert owner != lost and replicas[owner].contexts[s] == [1, 2, 3, 4]
+        if owners[s] != lost:
+            assert owner == owners[s]  # only the lost replica's sequences moved
+    assert drafter.num_moved == sum(o == lost for o in owners.values())
+    assert drafter.end(ids + ["unknown"]) == len(ids)
+
+
+def test_a_sequence_of_a_replica_lost_between_calls_is_not_found():
+    drafter, replicas = fake_cluster()
+    drafter.propose([DraftRequest("a", [1], 4, is_start=True)])
+    owner = drafter.owner_of("a")
+    drafter._down[owner] = float("inf")  # it failed for another sequence's call
+    with pytest.raises(SequenceNotFound) as missing:
+        drafter.propose([DraftRequest("a", [2], 4)])
+    assert missing.value.seq_ids == ["a"]
+    drafter.propose([DraftRequest("a", [1, 2], 4, is_start=True)])
+    assert drafter.owner_of("a") != owner
+
+
+def test_no_reachable_replica_is_a_connection_error():
+    drafter = ReplicatedDrafter(StaticResolver(("127.0.0.1:1", "127.0.0.1:2")), timeout_s=0.2,
+                                down_s=60)
+    with pytest.raises(SequenceNotFound):  # both unreachable: marked down, sequences re-sent
+        drafter.propose([DraftRequest("a", [1], 4, is_start=True),
+                         DraftRequest("b", [1], 4, is_start=True)])
+    with pytest.raises(ConnectionError, match="no drafter replica is reachable"):
+        drafter.propose([DraftRequest("a", [1], 4, is_start=True)])
+    drafter.close()
+
+
+def start_drafter(datastore, vocab_size):
+    args = [sys.executable, "-m", "sssd.drafter.service", "--port", "0", "--vocab-size",
+            str(vocab_size), "--datastore-dir", datastore, "--num-threads", "1"]
+    process = subprocess.Popen(args, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "SSSD_LOG_LEVEL": "INFO"})
+    for line in process.stderr:
+        if match := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
+            return process, f"127.0.0.1:{match.group(1)}"
+    process.kill()
+    raise AssertionError("the drafter never reported its port")
+
+
+def test_three_replicas_one_killed_under_load(warm_datastore, target_model_fp32, engine_factory,
+                                              mt_bench_prompts, greedy_references):
+    processes, targets = [], []
+    try:
+        for _ in range(3):
+            process, target = start_drafter(warm_datastore, target_model_fp32.vocab_size)
+            processes.append(process)
+            targets.append(target)
+        drafter = ReplicatedDrafter(StaticResolver(tuple(targets)), timeout_s=5.0, down_s=60)
+        engine, _ = engine_factory(4, proposer=drafter, max_budget=8)
+        prompts = [0, 2, 4, 6]  # their answers are in the datastore: drafts get accepted
+        sequences = [engine.add_request(GenerateRequest(tuple(mt_bench_prompts[i]), 40))
+                     for i in prompts]
+        killed, accepted_after = None, 0
+        while engine.has_work():
+            step = engine.step()
+            if killed is None and engine.stats.num_steps >= 4:
+                owners = {drafter.owner_of(s.request_id) for s in sequences if not s.is_finished}
+                killed = sorted(owners - {None})[0]
+                processes[targets.index(killed)].send_signal(signal.SIGKILL)
+                processes[targets.index(killed)].wait(10)
+                moved = [s.request_id for s in sequences
+                         if drafter.owner_of(s.request_id) == killed]
+            elif killed is not None:
+                accepted_after += sum(row.num_accepted for row in step.rows)
+        for index, seq in zip(prompts, sequences):
+            assert seq.output_ids == greedy_references[index][:40]  # no request failed or changed
+        assert moved and drafter.num_moved == len(moved)
+        assert drafter.info()["down"] == [killed]
+        assert accepted_after > 0  # drafting went on, on the surviving replicas
+        engine.close()
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait(10)
+            process.stderr.close()
