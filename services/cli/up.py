@@ -227,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
         run_check(target, args.prompt, args.max_tokens, max(1, args.check_rounds),
                   None if args.no_exact_check else f"{args.host}:{args.drafter_port}",
                   args.model)
+        if speculator_target is not None:
+            print_speculator(speculator_target)
         if not args.once:
             print("\nserving; Ctrl-C stops (running requests get "
                   f"{args.grace_s:.0f} s to finish)", flush=True)
@@ -242,6 +244,24 @@ def run(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def print_speculator(target: str) -> None:
+    """What the speculator did during the check (auto may have sent some answers to SSSD)."""
+    from sssd.speculator.client import RemoteSpeculator
+
+    remote = RemoteSpeculator(target, timeout_s=10.0)
+    try:
+        info = remote.info()
+    finally:
+        remote.close()
+    rounds = info["rounds"]
+    hits = info["hits"]
+    print(f"[speculator ({info['model_name']}, {info['device']}): {rounds} rounds, "
+          f"{hits} cache hits, {info['misses_jit']} just-in-time misses, "
+          f"{info['misses_fallback']} SSSD fallbacks, overlap "
+          f"{1 - info['wait_s'] / info['speculate_s'] if info['speculate_s'] else 0:.0%}]",
+          flush=True)
 
 
 if __name__ == "__main__":

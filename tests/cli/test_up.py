@@ -1,6 +1,7 @@
 """`sssd up --once`, the README's main job: the whole local stack answers through the API."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -12,8 +13,14 @@ pytest.importorskip("ray")
 
 
 def test_sssd_up_once_serves_a_prompt_and_stops(tmp_path, warm_datastore, free_port):
+    """The whole stack, the SSD speculator included (a 2-layer cut of the model as its cheap
+    draft; one run covers both, for CI time): the check prompt is answered through the API,
+    identical with and without speculation and to plain greedy decoding."""
     sssd = Path(sys.executable).with_name("sssd")
     command = [str(sssd), "up", "--once", "--datastore", warm_datastore,
+               "--speculator", "--speculator-draft-layers", "2",
+               "--speculator-port", str(free_port()),
+               "--speculator-metrics-port", str(free_port()),
                "--port", str(free_port()), "--drafter-port", str(free_port()),
                "--dashboard-port", "0", "--metrics-port", str(free_port()),
                "--max-batch-size", "2", "--max-len", "512", "--max-tokens", "12",
@@ -35,6 +42,9 @@ def test_sssd_up_once_serves_a_prompt_and_stops(tmp_path, warm_datastore, free_p
     assert "[outputs with and without speculation: " in out
     assert "[exact check, float32 in this process: " in out
     assert "to plain greedy decoding" in out and "DIFFERENT" not in out
+    assert "speculator service on 127.0.0.1:" in out
+    match = re.search(r"\[speculator \(.*\): (\d+) rounds, (\d+) cache hits", out)
+    assert match and int(match.group(1)) > 0, out  # the first answer (auto) drafted with SSD
     # The three answers (streamed, off, on) were published, and the indexer put them into the
     # live datastore.
     from sssd.datastore.build import read_documents
