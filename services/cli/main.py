@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 # `sssd up` starts Ray, Redis and services as subprocesses while its gRPC channels are open; with
 # gRPC's fork handlers on, every start logs "skipping fork() handlers". Nothing here forks a
@@ -27,6 +28,9 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from sssd.common.ports import GENERATE_PORT
 from sssd.verifier.engine.config import SERVING_PROFILE_PATH
+
+if TYPE_CHECKING:
+    from sssd.verifier.serving.config import FrontendConfig
 
 DEFAULT_TARGET = f"127.0.0.1:{GENERATE_PORT}"
 
@@ -111,24 +115,42 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     ray.add_argument("--ray", action="store_true",
                      help="prefill and decode workers as Ray actors (else one process)")
     add_flags(ray, RayConfig)
+    live = parser.add_argument_group("live datastore")
+    live.add_argument("--redis-url", default=None,
+                      help="publish completed conversations to the live datastore's Redis "
+                      "stream here (redis://[:password@]host:port/db); unset: not published")
+    live.add_argument("--spool-dir", default="var/live/spool",
+                      help="conversations wait here while Redis is away (default "
+                      "var/live/spool)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from sssd.common.flags import from_args
-    from sssd.verifier.engine.config import EngineConfig
-    from sssd.verifier.serving.config import FrontendConfig, RayConfig
     from sssd.verifier.serving.frontend import serve
 
     try:
-        ray = from_args(RayConfig, args, host=args.host, token_file="var/ray/auth_token") \
-            if args.ray else None
-        config = from_args(FrontendConfig, args, engine=from_args(EngineConfig, args),
-                           max_workers=args.max_requests + 16, ray=ray)
+        config = serve_config(args)
     except ValueError as exc:
         print(f"sssd serve: error: {exc}", file=sys.stderr)
         return 2
     serve(config)
     return 0
+
+
+def serve_config(args: argparse.Namespace) -> "FrontendConfig":
+    """The FrontendConfig of parsed `sssd serve` flags (ValueError for a bad combination)."""
+    from sssd.common.flags import from_args
+    from sssd.verifier.engine.config import EngineConfig
+    from sssd.verifier.serving.config import FrontendConfig, RayConfig
+
+    ray = from_args(RayConfig, args, host=args.host, token_file="var/ray/auth_token") \
+        if args.ray else None
+    publish = None
+    if args.redis_url:
+        from sssd.indexer.producer import PublishConfig
+
+        publish = PublishConfig(args.redis_url, str(Path(args.spool_dir).absolute()))
+    return from_args(FrontendConfig, args, engine=from_args(EngineConfig, args),
+                     max_workers=args.max_requests + 16, ray=ray, publish=publish)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -143,7 +165,8 @@ def up_doc() -> str:
     return (up.__doc__ or "").split("\n\n")[0]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every `sssd` subcommand and its flags (the Helm chart's tests parse its commands here)."""
     parser = argparse.ArgumentParser(prog="sssd", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -159,7 +182,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(commands.add_parser("up", help="start the whole stack locally and serve",
                                       description=up_doc()))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.command == "serve" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handler = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,

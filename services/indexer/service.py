@@ -186,7 +186,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """`sssd-indexer run | offline` and their flags."""
     from sssd.common.flags import add_flags
     from sssd.indexer.indexer import IndexerConfig
 
@@ -214,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
                              help=f"gRPC health (default {INDEXER_PORT}; 0: any)")
             sub.add_argument("--metrics-port", type=int, default=INDEXER_METRICS_PORT,
                              help=f"Prometheus endpoint (default {INDEXER_METRICS_PORT}; 0: none)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
     return {"run": cmd_run, "offline": cmd_offline}[args.command](args)

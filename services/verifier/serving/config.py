@@ -42,11 +42,17 @@ class RayConfig:
     metrics_port: int = option(RAY_METRICS_PORT,
                                "the local Ray node's Prometheus endpoint (worker metrics)")
     num_cpus: int | None = None  # logical CPUs of a local cluster; None: os.cpu_count()
-    cpus_per_worker: float = 1.0  # Ray scheduling resource per worker actor
+    cpus_per_worker: float = option(1.0, "logical CPUs each worker actor reserves in Ray")
     # Per worker; None: the node's cores split among the workers (on the 2-core machines one
     # thread each measured 18 tokens/s against 14-15 with two threads that contend).
     torch_threads: int | None = option(None, "torch threads per worker; unset: the node's "
                                        "cores split among the workers")
+    # Custom Ray resources (one unit per actor) that pin the workers to their node groups: on
+    # Kubernetes the chart's prefill and decode worker groups advertise them (rayStartParams).
+    prefill_resource: str | None = option(
+        None, "custom Ray resource each prefill worker needs (a node group that advertises it)")
+    decode_resource: str | None = option(
+        None, "custom Ray resource each decode worker needs (a node group that advertises it)")
     object_store_bytes: int = 1 << 30  # a local cluster's object store (holds KV in flight)
     metrics_report_interval_ms: int = 2000
 

@@ -70,10 +70,12 @@ class RayBackend:
         num_workers = cfg.num_prefill_workers + cfg.num_decode_workers
         threads = cfg.torch_threads or max(1, (os.cpu_count() or 1) // num_workers)
         options = dict(num_cpus=cfg.cpus_per_worker)
-        prefill_cls = ray.remote(PrefillWorker).options(**options)
+        prefill_cls = ray.remote(PrefillWorker).options(**options, resources=_pin(
+            cfg.prefill_resource))
         # Threads: one per open stream, plus room for cancel and ready calls.
         decode_cls = ray.remote(DecodeWorker).options(
-            max_concurrency=self.max_requests + 8, **options)
+            max_concurrency=self.max_requests + 8, **options,
+            resources=_pin(cfg.decode_resource))
         self._prefill = [_Slot(prefill_cls.remote(self.engine_config, f"prefill-{i}",
                                                   threads))
                          for i in range(cfg.num_prefill_workers)]
@@ -205,3 +207,8 @@ class RayBackend:
                 if not released_prefill:
                     prefill.load -= 1
             handle.done = True
+
+
+def _pin(resource: str | None) -> dict[str, float]:
+    """One unit of a custom resource, which only the nodes of one group advertise."""
+    return {resource: 1} if resource else {}

@@ -1,0 +1,101 @@
+{{/* Names, labels and shared pieces of the sssd-serve chart. */}}
+
+{{- define "sssd.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "sssd.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The name of one component's objects: <fullname>-<component>. */}}
+{{- define "sssd.component" -}}
+{{- printf "%s-%s" (include "sssd.fullname" .root) .component -}}
+{{- end -}}
+
+{{- define "sssd.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+{{ include "sssd.selectorLabels" . }}
+{{- end -}}
+
+{{- define "sssd.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "sssd.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "sssd.image" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag -}}
+{{- printf "%s:%s-%s" .Values.image.repository $tag .Values.image.variant -}}
+{{- end -}}
+
+{{- define "sssd.container" -}}
+image: {{ include "sssd.image" . }}
+imagePullPolicy: {{ .Values.image.pullPolicy }}
+securityContext:
+  {{- toYaml .Values.securityContext | nindent 2 }}
+{{- end -}}
+
+{{- define "sssd.podSpec" -}}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* The gRPC probes against the standard health service (Kubernetes' native gRPC probe). */}}
+{{- define "sssd.grpcProbes" -}}
+readinessProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: 5
+  failureThreshold: 3
+livenessProbe:
+  grpc:
+    port: {{ .port }}
+  initialDelaySeconds: {{ .initialDelay | default 10 }}
+  periodSeconds: 10
+  failureThreshold: 6
+{{- end -}}
+
+{{- define "sssd.redisSecret" -}}
+{{- default (include "sssd.component" (dict "root" . "component" "redis")) .Values.redis.auth.existingSecret -}}
+{{- end -}}
+
+{{- define "sssd.rayAuthSecret" -}}
+{{- default (include "sssd.component" (dict "root" . "component" "ray-auth")) .Values.verifier.auth.existingSecret -}}
+{{- end -}}
+
+{{/*
+The Redis URL as an env var list: REDIS_PASSWORD from the Secret, then SSSD_REDIS_URL, which
+Kubernetes expands with it. An external URL is used as given.
+*/}}
+{{- define "sssd.redisEnv" -}}
+{{- if .Values.redis.enabled }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "sssd.redisSecret" . }}
+      key: {{ .Values.redis.auth.key }}
+- name: SSSD_REDIS_URL
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:%d/0" (include "sssd.component" (dict "root" . "component" "redis")) (int .Values.redis.port) | quote }}
+{{- else }}
+- name: SSSD_REDIS_URL
+  value: {{ .Values.redis.externalUrl | quote }}
+{{- end }}
+{{- end -}}
+
+{{- define "sssd.shardClaim" -}}
+{{- default (include "sssd.component" (dict "root" . "component" "shards")) .Values.shards.existingClaim -}}
+{{- end -}}
+
+{{/* The live datastore directory on the shard volume. */}}
+{{- define "sssd.datastoreDir" -}}/shards/datastore{{- end -}}

@@ -1,0 +1,260 @@
+"""The Helm chart, checked without a cluster: lint, render with several value sets, every object
+validated strictly (built-in kinds by kubernetes-validate, custom resources by their CRDs'
+schemas kept in deploy/k8s/schemas), the values schema's refusals, and every container's
+command, flags and configuration parsed by the real command-line parsers of the services."""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+helm = pytest.importorskip("helm_python")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+jsonschema = pytest.importorskip("jsonschema")
+yaml = pytest.importorskip("yaml")
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+CHART = DEPLOY / "sssd-serve"
+KUBERNETES_VERSION = "1.33.0"
+CRD_SCHEMAS = {
+    ("ray.io/v1", "RayCluster"): "ray.io_v1_raycluster.schema.json.gz",
+    ("monitoring.coreos.com/v1", "ServiceMonitor"):
+        "monitoring.coreos.com_v1_servicemonitor.schema.json.gz",
+    ("monitoring.coreos.com/v1", "PodMonitor"):
+        "monitoring.coreos.com_v1_podmonitor.schema.json.gz",
+}
+VALUE_SETS = {
+    "defaults": {},
+    "speculator": {"speculator": {"enabled": True, "model": "/models/draft.gguf"},
+                   "verifier": {"engine": {"mode": "ssd"}}, "image": {"variant": "cuda"}},
+    "external-redis": {"redis": {"enabled": False, "externalUrl": "redis://redis.infra:6379/2"}},
+    "monitoring": {"monitoring": {"enabled": True, "labels": {"release": "prometheus"}},
+                   "speculator": {"enabled": True}},
+    "drafter-replicas": {"drafter": {"replicas": 5, "autoscaling": {"enabled": False},
+                                     "config": {"poll_interval_s": 2}},
+                         "verifier": {"decode": {"replicas": 3, "workersPerPod": 2}},
+                         "shards": {"existingClaim": "datastore"},
+                         "networkPolicy": {"enabled": False},
+                         "model": {"path": "/models/target"}},
+}
+
+
+def render(values: dict) -> list[dict]:
+    chart = helm.Chart.load(str(CHART))
+    manifests = chart.render(values, name="demo", namespace="ai")
+    objects = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
+    return objects
+
+
+def strict(schema):
+    """The CRD schema with unknown fields refused where the schema does not keep them."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node):
+        if isinstance(node, dict):
+            if (node.get("type") == "object" and "properties" in node
+                    and "additionalProperties" not in node
+                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+                node["additionalProperties"] = False
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    return schema
+
+
+def crd_validator(api_version, kind):
+    name = CRD_SCHEMAS.get((api_version, kind))
+    if name is None:
+        return None
+    schema = json.loads(gzip.decompress((DEPLOY / "schemas" / name).read_bytes()))
+    return jsonschema.Draft7Validator(strict(schema))
+
+
+def by_kind(objects, kind):
+    return [o for o in objects if o["kind"] == kind]
+
+
+def test_lint_is_clean():
+    report = helm.lint(str(CHART), strict=True)
+    assert not report["errors"], report
+    assert all(m["severity"] < 2 for m in report["messages"]), report["messages"]
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_every_rendered_object_validates_strictly(value_set):
+    objects = render(VALUE_SETS[value_set])
+    assert objects
+    for obj in objects:
+        validator = crd_validator(obj["apiVersion"], obj["kind"])
+        where = f"{obj['kind']} {obj['metadata']['name']}"
+        if validator is not None:
+            errors = sorted(validator.iter_errors(obj), key=str)
+            assert not errors, f"{where}: {errors[0].message} at {list(errors[0].path)}"
+        else:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    kinds = {o["kind"] for o in objects}
+    assert {"Deployment", "Service", "ConfigMap", "RayCluster", "PodDisruptionBudget"} <= kinds
+    assert ("StatefulSet" in kinds) == VALUE_SETS[value_set].get("redis", {}).get("enabled", True)
+    assert ("ServiceMonitor" in kinds) == (value_set == "monitoring")
+
+
+def test_a_strict_validator_refuses_a_misspelled_field():
+    """Not vacuous: the same checks fail on a wrong object of either family."""
+    (cluster,) = by_kind(render({}), "RayCluster")
+    cluster["spec"]["headGroupSpec"]["rayStartParam"] = {}
+    assert list(crd_validator("ray.io/v1", "RayCluster").iter_errors(cluster))
+    deployment = by_kind(render({}), "Deployment")[0]
+    deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolcy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"drafter": {"replicas": -1}}, "minimum"),
+    ({"drafter": {"replicass": 2}}, "additional properties"),
+    ({"bogus": True}, "additional properties"),
+    ({"redis": {"enabled": False}}, "externalUrl"),
+    ({"verifier": {"engine": {"mode": "fast"}}}, "mode"),
+    ({"image": {"variant": "rocm"}}, "variant"),
+    ({"frontend": {"port": 70000}}, "maximum"),
+])
+def test_the_values_schema_refuses_bad_values(values, message):
+    chart = helm.Chart.load(str(CHART))
+    with pytest.raises(helm.HelmError) as refused:
+        chart.validate_schema(values)
+    assert message in str(refused.value)
+
+
+def test_mode_ssd_without_the_speculator_is_refused_at_render():
+    with pytest.raises(helm.HelmError, match="needs speculator.enabled"):
+        render({"verifier": {"engine": {"mode": "ssd"}}})
+
+
+def containers(objects):
+    """(owner kind, container) for every container of every pod template."""
+    for obj in objects:
+        spec = obj.get("spec", {})
+        templates = [spec.get("template")] if obj["kind"] in ("Deployment", "StatefulSet") else []
+        if obj["kind"] == "RayCluster":
+            templates = [spec["headGroupSpec"]["template"]] + [
+                group["template"] for group in spec["workerGroupSpecs"]]
+        for template in templates:
+            for container in template["spec"]["containers"]:
+                yield obj, container
+
+
+def env_fields(*config_classes) -> set[str]:
+    """The environment names a service reads: PREFIX_<FIELD> for its option fields."""
+    from sssd.common.flags import flag_fields
+
+    return {f.name.upper() for cls in config_classes for f in flag_fields(cls)}
+
+
+def assert_known(env: dict[str, str], prefix: str, fields: set[str]) -> None:
+    """An unknown variable would be ignored silently by the service: refuse it here."""
+    unknown = [k for k in env if k.startswith(prefix) and k[len(prefix):] not in fields]
+    assert not unknown, f"no such configuration field: {unknown}"
+
+
+def expand(argument: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in commands and arguments."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), argument)
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_every_command_and_configuration_is_accepted_by_its_service(value_set, monkeypatch):
+    """What each container runs is parsed by that service's own parser and built into its
+    frozen config, which validates itself: a misspelled flag, a field the config does not have
+    or a value out of range fails here."""
+    from sssd.cli.main import build_parser, serve_config
+    from sssd.drafter.config import DraftParams, DrafterConfig
+    from sssd.indexer.service import build_parser as indexer_parser
+    from sssd.speculator.config import SpeculatorConfig
+
+    objects = render(VALUE_SETS[value_set])
+    config_maps = {o["metadata"]["name"]: o["data"] for o in by_kind(objects, "ConfigMap")}
+    seen = set()
+    for owner, container in containers(objects):
+        env = {e["name"]: e.get("value", "secret") for e in container.get("env", [])}
+        for source in container.get("envFrom", []):
+            env.update(config_maps[source["configMapRef"]["name"]])
+        command = [expand(a, env) for a in container.get("command", [])
+                   + container.get("args", [])]
+        program = command[0] if command else container["name"]
+        seen.add(program)
+        with monkeypatch.context() as patch:
+            for key, value in env.items():
+                patch.setenv(key, value)
+            if program == "sssd-drafter":
+                assert all(k.startswith("SSSD_DRAFTER_") for k in env)
+                assert_known(env, "SSSD_DRAFTER_", env_fields(DrafterConfig, DraftParams))
+                config = DrafterConfig.from_args(command[1:])
+                assert config.port == VALUE_SETS[value_set].get("drafter", {}).get("port", 50051)
+                assert config.host == "0.0.0.0" and config.datastore_dir == "/shards/datastore"
+            elif program == "sssd-speculator":
+                assert_known(env, "SSSD_SPECULATOR_", env_fields(SpeculatorConfig))
+                config = SpeculatorConfig.from_args(command[1:])
+                assert config.host == "0.0.0.0" and config.device == "cuda"
+            elif program == "sssd-indexer":
+                args = indexer_parser().parse_args(command[1:])
+                assert args.redis_url.startswith("redis://")
+            elif program == "sssd":
+                config = serve_config(build_parser().parse_args(command[1:]))
+                assert config.ray is not None and config.ray.address == "127.0.0.1:6379"
+                assert config.host == "0.0.0.0" and config.publish is not None
+                if config.engine.mode != "ar":
+                    assert config.engine.drafter_target.startswith("dns:///demo-sssd-serve-")
+            elif program == "redis-server":
+                assert "--appendonly" in command and "yes" in command
+            else:  # the Ray head and workers: KubeRay supplies `ray start`
+                assert program in ("ray-head", "ray-worker"), shlex.join(command)
+    expected = {"sssd-drafter", "sssd-indexer", "sssd", "ray-head", "ray-worker"}
+    assert expected <= seen
+    assert ("sssd-speculator" in seen) == VALUE_SETS[value_set].get(
+        "speculator", {}).get("enabled", False)
+
+
+def test_services_select_their_pods_and_only_the_frontend_is_public():
+    objects = render(VALUE_SETS["monitoring"])
+    pod_labels = list(_pod_labels(objects))
+    for service in by_kind(objects, "Service"):
+        selector = service["spec"]["selector"]
+        assert any(selector.items() <= labels.items() for labels in pod_labels), \
+            service["metadata"]["name"]
+    services = {s["metadata"]["name"]: s for s in by_kind(objects, "Service")}
+    assert services["demo-sssd-serve-drafter"]["spec"]["clusterIP"] == "None"  # headless
+    for monitor in by_kind(objects, "ServiceMonitor"):
+        match = monitor["spec"]["selector"]["matchLabels"]
+        (service,) = [s for s in services.values()
+                      if match.items() <= s["metadata"]["labels"].items()]
+        assert "metrics" in {p["name"] for p in service["spec"]["ports"]}
+    public = [p for p in by_kind(objects, "NetworkPolicy") if p["metadata"]["name"].endswith(
+        "-public")]
+    (policy,) = public
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == \
+        "frontend"
+
+
+def _pod_labels(objects):
+    for obj in objects:
+        spec = obj.get("spec", {})
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            yield spec["template"]["metadata"]["labels"]
+        elif obj["kind"] == "RayCluster":
+            yield spec["headGroupSpec"]["template"]["metadata"]["labels"]
+            for group in spec["workerGroupSpecs"]:
+                yield group["template"]["metadata"]["labels"]
