@@ -45,17 +45,6 @@ VALUE_SETS = {
 }
 
 
-def render(values: dict) -> list[dict]:
-    chart = helm.Chart.load(str(CHART))
-    manifests = chart.render(values, name="demo", namespace="ai")
-    objects = []
-    for path, text in sorted(manifests.items()):
-        if path.endswith("NOTES.txt"):
-            continue
-        objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
-    return objects
-
-
 def strict(schema):
     """The CRD schema with unknown fields refused where the schema does not keep them."""
     schema = copy.deepcopy(schema)
@@ -95,7 +84,7 @@ def test_lint_is_clean():
 
 
 @pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
-def test_every_rendered_object_validates_strictly(value_set):
+def test_every_rendered_object_validates_strictly(render, value_set):
     objects = render(VALUE_SETS[value_set])
     assert objects
     for obj in objects:
@@ -112,7 +101,7 @@ def test_every_rendered_object_validates_strictly(value_set):
     assert ("ServiceMonitor" in kinds) == (value_set == "monitoring")
 
 
-def test_a_strict_validator_refuses_a_misspelled_field():
+def test_a_strict_validator_refuses_a_misspelled_field(render):
     """Not vacuous: the same checks fail on a wrong object of either family."""
     (cluster,) = by_kind(render({}), "RayCluster")
     cluster["spec"]["headGroupSpec"]["rayStartParam"] = {}
@@ -139,7 +128,7 @@ def test_the_values_schema_refuses_bad_values(values, message):
     assert message in str(refused.value)
 
 
-def test_mode_ssd_without_the_speculator_is_refused_at_render():
+def test_mode_ssd_without_the_speculator_is_refused_at_render(render):
     with pytest.raises(helm.HelmError, match="needs speculator.enabled"):
         render({"verifier": {"engine": {"mode": "ssd"}}})
 
@@ -176,7 +165,8 @@ def expand(argument: str, env: dict[str, str]) -> str:
 
 
 @pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
-def test_every_command_and_configuration_is_accepted_by_its_service(value_set, monkeypatch):
+def test_every_command_and_configuration_is_accepted_by_its_service(render, value_set,
+                                                                   monkeypatch):
     """What each container runs is parsed by that service's own parser and built into its
     frozen config, which validates itself: a misspelled flag, a field the config does not have
     or a value out of range fails here."""
@@ -228,7 +218,7 @@ def test_every_command_and_configuration_is_accepted_by_its_service(value_set, m
         "speculator", {}).get("enabled", False)
 
 
-def test_services_select_their_pods_and_only_the_frontend_is_public():
+def test_services_select_their_pods_and_only_the_frontend_is_public(render):
     objects = render(VALUE_SETS["monitoring"])
     pod_labels = list(_pod_labels(objects))
     for service in by_kind(objects, "Service"):
