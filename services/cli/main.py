@@ -99,7 +99,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             messages.append({"role": "assistant", "content": answer})
 
 
-# `sssd serve` takes every Generate API and engine setting as a flag; its own defaults:
+# `sssd serve` takes every Generate API, engine and Ray setting as a flag, or as the environment
+# variable SSSD_SERVE_<FIELD> (a flag wins; the Helm chart's ConfigMap sets them); its defaults:
+SERVE_ENV_PREFIX = "SSSD_SERVE_"
 SERVE_ENGINE_DEFAULTS = {"budget_policy": "measured",
                          "profile_path": str(Path(SERVING_PROFILE_PATH).absolute())}
 
@@ -109,16 +111,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     from sssd.verifier.engine.config import EngineConfig
     from sssd.verifier.serving.config import FrontendConfig, RayConfig
 
-    add_flags(parser.add_argument_group("the Generate API"), FrontendConfig)
-    add_flags(parser.add_argument_group("engine"), EngineConfig, defaults=SERVE_ENGINE_DEFAULTS)
+    add_flags(parser.add_argument_group("the Generate API"), FrontendConfig,
+              env_prefix=SERVE_ENV_PREFIX)
+    add_flags(parser.add_argument_group("engine"), EngineConfig, defaults=SERVE_ENGINE_DEFAULTS,
+              env_prefix=SERVE_ENV_PREFIX)
     ray = parser.add_argument_group("Ray (with --ray)")
     ray.add_argument("--ray", action="store_true",
                      help="prefill and decode workers as Ray actors (else one process)")
-    add_flags(ray, RayConfig)
+    add_flags(ray, RayConfig, env_prefix=SERVE_ENV_PREFIX)
     live = parser.add_argument_group("live datastore")
     live.add_argument("--redis-url", default=None,
                       help="publish completed conversations to the live datastore's Redis "
                       "stream here (redis://[:password@]host:port/db); unset: not published")
+    live.add_argument("--stream", default=None,
+                      help="the Redis stream the indexer reads (default sssd:conversations)")
     live.add_argument("--spool-dir", default="var/live/spool",
                       help="conversations wait here while Redis is away (default "
                       "var/live/spool)")
@@ -148,7 +154,8 @@ def serve_config(args: argparse.Namespace) -> "FrontendConfig":
     if args.redis_url:
         from sssd.indexer.producer import PublishConfig
 
-        publish = PublishConfig(args.redis_url, str(Path(args.spool_dir).absolute()))
+        stream = {"stream": args.stream} if args.stream else {}
+        publish = PublishConfig(args.redis_url, str(Path(args.spool_dir).absolute()), **stream)
     return from_args(FrontendConfig, args, engine=from_args(EngineConfig, args),
                      max_workers=args.max_requests + 16, ray=ray, publish=publish)
 

@@ -67,7 +67,11 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
             env_help = f"; env {env_name}"
             if env_name in os.environ:
                 raw = os.environ[env_name]
-                default = raw.lower() in ("1", "true", "yes") if kind is bool else kind(raw)
+                try:
+                    default = raw.lower() in ("1", "true", "yes") if kind is bool else kind(raw)
+                except ValueError:
+                    raise ValueError(f"environment {env_name}={raw!r}: not a valid "
+                                     f"{kind.__name__}") from None
         help_text = f"{f.metadata['help']} (default {default}{env_help})"
         if kind is bool:
             parser.add_argument(*names, dest=f.name, default=default, help=help_text,

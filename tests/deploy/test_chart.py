@@ -33,7 +33,10 @@ VALUE_SETS = {
     "defaults": {},
     "speculator": {"speculator": {"enabled": True, "model": "/models/draft.gguf"},
                    "verifier": {"engine": {"mode": "ssd"}}, "image": {"variant": "cuda"}},
-    "external-redis": {"redis": {"enabled": False, "externalUrl": "redis://redis.infra:6379/2"}},
+    "external-redis": {"redis": {"enabled": False, "externalUrl": "redis://redis.infra:6379/2"},
+                       "indexer": {"stream": "team-a:conversations",
+                                   "config": {"shard_tokens": 1000000}},
+                       "frontend": {"config": {"max_budget": 16, "drafter_timeout_s": 1.0}}},
     "monitoring": {"monitoring": {"enabled": True, "labels": {"release": "prometheus"}},
                    "speculator": {"enabled": True}},
     "drafter-replicas": {"drafter": {"replicas": 5, "autoscaling": {"enabled": False},
@@ -172,10 +175,14 @@ def test_every_command_and_configuration_is_accepted_by_its_service(render, valu
     or a value out of range fails here."""
     from sssd.cli.main import build_parser, serve_config
     from sssd.drafter.config import DraftParams, DrafterConfig
+    from sssd.indexer.indexer import IndexerConfig
     from sssd.indexer.service import build_parser as indexer_parser
     from sssd.speculator.config import SpeculatorConfig
+    from sssd.verifier.engine.config import EngineConfig
+    from sssd.verifier.serving.config import FrontendConfig, RayConfig
 
     objects = render(VALUE_SETS[value_set])
+    streams = set()  # the stream the decode workers publish to and the indexer reads
     config_maps = {o["metadata"]["name"]: o["data"] for o in by_kind(objects, "ConfigMap")}
     seen = set()
     for owner, container in containers(objects):
@@ -200,10 +207,17 @@ def test_every_command_and_configuration_is_accepted_by_its_service(render, valu
                 config = SpeculatorConfig.from_args(command[1:])
                 assert config.host == "0.0.0.0" and config.device == "cuda"
             elif program == "sssd-indexer":
+                assert_known(env, "SSSD_INDEXER_", env_fields(IndexerConfig))
                 args = indexer_parser().parse_args(command[1:])
                 assert args.redis_url.startswith("redis://")
+                streams.add(args.stream)
             elif program == "sssd":
+                assert_known(env, "SSSD_SERVE_",
+                             env_fields(FrontendConfig, EngineConfig, RayConfig))
                 config = serve_config(build_parser().parse_args(command[1:]))
+                streams.add(config.publish.stream)
+                frontend_config = VALUE_SETS[value_set].get("frontend", {}).get("config", {})
+                assert config.engine.max_budget == frontend_config.get("max_budget", 32)
                 assert config.ray is not None and config.ray.address == "127.0.0.1:6379"
                 assert config.host == "0.0.0.0" and config.publish is not None
                 if config.engine.mode != "ar":
@@ -212,6 +226,7 @@ def test_every_command_and_configuration_is_accepted_by_its_service(render, valu
                 assert "--appendonly" in command and "yes" in command
             else:  # the Ray head and workers: KubeRay supplies `ray start`
                 assert program in ("ray-head", "ray-worker"), shlex.join(command)
+    assert len(streams) == 1
     expected = {"sssd-drafter", "sssd-indexer", "sssd", "ray-head", "ray-worker"}
     assert expected <= seen
     assert ("sssd-speculator" in seen) == VALUE_SETS[value_set].get(

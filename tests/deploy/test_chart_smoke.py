@@ -246,8 +246,7 @@ def test_what_the_chart_renders_runs_and_answers(render, free_port, tmp_path):
         import redis
 
         secret_env = cluster.environment(redis_container)
-        stream = next(a.split("=", 1)[1] for a in indexer_container["args"]
-                      if a.startswith("--stream="))
+        stream = cluster.environment(indexer_container)["SSSD_INDEXER_STREAM"]
         connection = redis.Redis(host="127.0.0.1", port=redis_ports[6379],
                                  password=secret_env["REDIS_PASSWORD"])
         deadline = time.monotonic() + 30

@@ -99,3 +99,15 @@ Kubernetes expands with it. An external URL is used as given.
 
 {{/* The live datastore directory on the shard volume. */}}
 {{- define "sssd.datastoreDir" -}}/shards/datastore{{- end -}}
+
+{{/*
+A value for an environment variable: YAML numbers reach templates as floats, and 1000000 would
+print as 1e+06, which an int field cannot read; whole numbers print as integers.
+*/}}
+{{- define "sssd.envValue" -}}
+{{- if and (kindIs "float64" .) (eq . (floor .)) -}}
+{{- int64 . | quote -}}
+{{- else -}}
+{{- . | quote -}}
+{{- end -}}
+{{- end -}}
