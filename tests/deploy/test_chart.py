@@ -37,6 +37,8 @@ VALUE_SETS = {
                        "indexer": {"stream": "team-a:conversations",
                                    "config": {"shard_tokens": 1000000}},
                        "frontend": {"config": {"max_budget": 16, "drafter_timeout_s": 1.0}}},
+    "external-redis-secret": {"redis": {"enabled": False,
+                                        "externalUrlSecret": {"name": "redis-credentials"}}},
     "monitoring": {"monitoring": {"enabled": True, "labels": {"release": "prometheus"}},
                    "speculator": {"enabled": True}},
     "drafter-replicas": {"drafter": {"replicas": 5, "autoscaling": {"enabled": False},
@@ -120,6 +122,7 @@ def test_a_strict_validator_refuses_a_misspelled_field(render):
     ({"drafter": {"replicass": 2}}, "additional properties"),
     ({"bogus": True}, "additional properties"),
     ({"redis": {"enabled": False}}, "externalUrl"),
+    ({"redis": {"enabled": False, "externalUrlSecret": {"name": ""}}}, "externalUrl"),
     ({"verifier": {"engine": {"mode": "fast"}}}, "mode"),
     ({"image": {"variant": "rocm"}}, "variant"),
     ({"frontend": {"port": 70000}}, "maximum"),
@@ -129,6 +132,17 @@ def test_the_values_schema_refuses_bad_values(values, message):
     with pytest.raises(helm.HelmError) as refused:
         chart.validate_schema(values)
     assert message in str(refused.value)
+
+
+def test_the_ray_version_is_the_one_the_image_installs():
+    """KubeRay needs rayVersion to match the Ray inside the image: pyproject's serve extra."""
+    import tomllib
+
+    pyproject = tomllib.loads((DEPLOY.parents[1] / "pyproject.toml").read_text())
+    (pin,) = [r for r in pyproject["project"]["optional-dependencies"]["serve"]
+              if r.startswith("ray")]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert pin.endswith("==" + values["verifier"]["rayVersion"])
 
 
 def test_mode_ssd_without_the_speculator_is_refused_at_render(render):
@@ -186,7 +200,10 @@ def test_every_command_and_configuration_is_accepted_by_its_service(render, valu
     config_maps = {o["metadata"]["name"]: o["data"] for o in by_kind(objects, "ConfigMap")}
     seen = set()
     for owner, container in containers(objects):
-        env = {e["name"]: e.get("value", "secret") for e in container.get("env", [])}
+        # Values from Secrets are unknown here: stand-ins of the right shape.
+        env = {e["name"]: e.get("value", "redis://:secret@redis:6379/0"
+                                if e["name"].endswith("_URL") else "secret")
+               for e in container.get("env", [])}
         for source in container.get("envFrom", []):
             env.update(config_maps[source["configMapRef"]["name"]])
         command = [expand(a, env) for a in container.get("command", [])

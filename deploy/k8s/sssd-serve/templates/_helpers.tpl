@@ -76,7 +76,7 @@ livenessProbe:
 
 {{/*
 The Redis URL as an env var list: REDIS_PASSWORD from the Secret, then SSSD_REDIS_URL, which
-Kubernetes expands with it. An external URL is used as given.
+Kubernetes expands with it. An external URL is used as given, or read from its Secret.
 */}}
 {{- define "sssd.redisEnv" -}}
 {{- if .Values.redis.enabled }}
@@ -87,6 +87,12 @@ Kubernetes expands with it. An external URL is used as given.
       key: {{ .Values.redis.auth.key }}
 - name: SSSD_REDIS_URL
   value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:%d/0" (include "sssd.component" (dict "root" . "component" "redis")) (int .Values.redis.port) | quote }}
+{{- else if .Values.redis.externalUrlSecret.name }}
+- name: SSSD_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.externalUrlSecret.name }}
+      key: {{ .Values.redis.externalUrlSecret.key }}
 {{- else }}
 - name: SSSD_REDIS_URL
   value: {{ .Values.redis.externalUrl | quote }}
