@@ -3,51 +3,10 @@ of `auto`, and a failed call that leaves every source able to restart its sequen
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from sssd.common.draft_tree import DraftTree
 from sssd.common.drafting import DraftRequest, Proposer, SequenceNotFound
 from sssd.common.source_router import CostChooser, SourceRouter
-
-
-class Recording:
-    """A proposer that records what it was sent, drafts `num_drafts` tokens (chain 1, 2, ...)
-    and can be told to lose sequences or fail."""
-
-    def __init__(self, num_drafts: int = 2) -> None:
-        self.num_drafts = num_drafts
-        self.contexts: dict[str, list[int]] = {}
-        self.calls: list[list[str]] = []
-        self.lose: set[str] = set()
-        self.fail = False
-        self.closed = 0
-
-    def propose(self, requests):
-        self.calls.append([r.seq_id for r in requests])
-        if self.fail:
-            raise TimeoutError("slow")
-        missing = [r.seq_id for r in requests if r.seq_id in self.lose
-                   or (not r.is_start and r.seq_id not in self.contexts)]
-        if missing:
-            raise SequenceNotFound(missing)
-        for r in requests:
-            if r.is_start:
-                self.contexts[r.seq_id] = list(r.token_ids)
-            else:
-                self.contexts[r.seq_id].extend(r.token_ids)
-        return [DraftTree(np.array([self.contexts[r.seq_id][-1], *range(1, self.num_drafts + 1)],
-                                   dtype=np.int32),
-                          np.arange(-1, self.num_drafts, dtype=np.int32)) for r in requests]
-
-    def append(self, requests):
-        self.propose(requests)
-
-    def end(self, seq_ids):
-        return sum(self.contexts.pop(s, None) is not None for s in seq_ids)
-
-    def close(self):
-        self.closed += 1
 
 
 def start(seq_id, tokens=(5, 6), source="", budget=4):
@@ -58,8 +17,8 @@ def step(seq_id, tokens, budget=4):
     return DraftRequest(seq_id, list(tokens), budget)
 
 
-def test_the_router_is_a_proposer_and_keeps_batch_order():
-    a, b = Recording(1), Recording(3)
+def test_the_router_is_a_proposer_and_keeps_batch_order(fake_proposer):
+    a, b = fake_proposer(1), fake_proposer(3)
     router = SourceRouter({"sssd": a, "ssd": b})
     assert isinstance(router, Proposer) and router.sources == ("sssd", "ssd")
     trees = router.propose([start("x", source="ssd"), start("y", source="sssd"),
@@ -73,8 +32,8 @@ def test_the_router_is_a_proposer_and_keeps_batch_order():
     assert not a.contexts and list(b.contexts) == ["z"]
 
 
-def test_a_sequence_keeps_its_source_across_restarts():
-    a, b = Recording(), Recording()
+def test_a_sequence_keeps_its_source_across_restarts(fake_proposer):
+    a, b = fake_proposer(), fake_proposer()
     router = SourceRouter({"sssd": a, "ssd": b})
     router.propose([start("x")])  # auto: the least measured source, the first
     owner = router.source_of("x")
@@ -83,8 +42,8 @@ def test_a_sequence_keeps_its_source_across_restarts():
     assert (a if owner == "sssd" else b).contexts["x"] == [1, 2, 3]
 
 
-def test_unknown_and_unavailable_sources_are_refused_without_calls():
-    a = Recording()
+def test_unknown_and_unavailable_sources_are_refused_without_calls(fake_proposer):
+    a = fake_proposer()
     router = SourceRouter({"sssd": a})
     with pytest.raises(SequenceNotFound) as missing:
         router.propose([start("x"), step("ghost", [1])])
@@ -94,8 +53,8 @@ def test_unknown_and_unavailable_sources_are_refused_without_calls():
     assert a.calls == [] and router.source_of("x") is None
 
 
-def test_a_source_losing_sequences_makes_every_source_of_the_call_restart_them():
-    a, b = Recording(), Recording()
+def test_a_source_losing_sequences_makes_every_source_of_the_call_restart_them(fake_proposer):
+    a, b = fake_proposer(), fake_proposer()
     router = SourceRouter({"sssd": a, "ssd": b})
     router.propose([start("x", source="sssd"), start("y", source="ssd")])
     b.lose = {"y"}
@@ -108,11 +67,11 @@ def test_a_source_losing_sequences_makes_every_source_of_the_call_restart_them()
     assert a.contexts["x"] == [5, 6, 1] and b.contexts["y"] == [5, 6, 2]
 
 
-def test_a_failing_source_raises_and_the_others_restart():
-    a, b = Recording(), Recording()
+def test_a_failing_source_raises_and_the_others_restart(fake_proposer):
+    a, b = fake_proposer(), fake_proposer()
     router = SourceRouter({"sssd": a, "ssd": b})
     router.propose([start("x", source="sssd"), start("y", source="ssd")])
-    b.fail = True
+    b.failure = TimeoutError("slow")
     with pytest.raises(TimeoutError):
         router.propose([step("x", [1]), step("y", [2])])
     assert "x" not in a.contexts  # ended: the engine re-sends every context after a failure
@@ -141,8 +100,8 @@ def test_auto_measures_every_source_then_picks_the_faster_and_keeps_exploring():
     assert summary["ssd"]["tokens_per_step"] == pytest.approx(4, abs=0.3)
 
 
-def test_router_measures_tokens_from_continuations_of_drafted_steps():
-    a = Recording()
+def test_router_measures_tokens_from_continuations_of_drafted_steps(fake_proposer):
+    a = fake_proposer()
     router = SourceRouter({"sssd": a})
     router.propose([start("x", budget=4), start("y", budget=1)])
     router.propose([step("x", [1, 2, 3]), step("y", [9], budget=1)])
@@ -152,10 +111,10 @@ def test_router_measures_tokens_from_continuations_of_drafted_steps():
     assert router.chooser.rest_s > 0 and cost.draft_s > 0
 
 
-def test_chooser_rejects_bad_settings():
+def test_chooser_rejects_bad_settings(fake_proposer):
     with pytest.raises(ValueError):
         CostChooser([])
     with pytest.raises(ValueError):
         CostChooser(["a"], explore_every=1)
     with pytest.raises(ValueError, match="chooser"):
-        SourceRouter({"a": Recording()}, CostChooser(["b"]))
+        SourceRouter({"a": fake_proposer()}, CostChooser(["b"]))

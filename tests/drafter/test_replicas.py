@@ -11,7 +11,6 @@ import sys
 
 import pytest
 
-from sssd.common.draft_tree import DraftTree
 from sssd.common.drafting import DraftRequest, SequenceNotFound
 from sssd.common.targets import DnsResolver, StaticResolver, parse_targets, rendezvous_owner
 from sssd.drafter.client import RemoteDrafter
@@ -52,52 +51,19 @@ def test_targets_are_parsed_and_malformed_ones_refused():
     several.close()
 
 
-class FakeReplica:
-    """A drafter replica in this process: records contexts, can be made unreachable."""
-
-    def __init__(self, target: str, timeout_s: float) -> None:
-        self.target = target
-        self.contexts: dict[str, list[int]] = {}
-        self.is_up = True
-
-    def propose(self, requests):
-        if not self.is_up:
-            raise ConnectionError(f"drafter at {self.target} is unreachable")
-        missing = [r.seq_id for r in requests if not r.is_start and r.seq_id not in self.contexts]
-        if missing:
-            raise SequenceNotFound(missing)
-        for r in requests:
-            if r.is_start:
-                self.contexts[r.seq_id] = list(r.token_ids)
-            else:
-                self.contexts[r.seq_id].extend(r.token_ids)
-        return [DraftTree.root_only(self.contexts[r.seq_id][-1]) for r in requests]
-
-    def append(self, requests):
-        self.propose(requests)
-
-    def end(self, seq_ids):
-        if not self.is_up:
-            raise ConnectionError("unreachable")
-        return sum(self.contexts.pop(s, None) is not None for s in seq_ids)
-
-    def close(self):
-        pass
-
-
-def fake_cluster():
+def fake_cluster(fake_proposer):
     replicas = {}
 
     def client(target, timeout_s):
-        replicas[target] = FakeReplica(target, timeout_s)
+        replicas[target] = fake_proposer()
         return replicas[target]
 
     drafter = ReplicatedDrafter(StaticResolver(tuple(REPLICAS)), client=client, down_s=60)
     return drafter, replicas
 
 
-def test_sequences_stick_to_their_owner_and_move_when_it_is_lost():
-    drafter, replicas = fake_cluster()
+def test_sequences_stick_to_their_owner_and_move_when_it_is_lost(fake_proposer):
+    drafter, replicas = fake_cluster(fake_proposer)
     ids = [f"s{i}" for i in range(12)]
     drafter.propose([DraftRequest(s, [1, 2], 4, is_start=True) for s in ids])
     owners = {s: drafter.owner_of(s) for s in ids}
@@ -107,7 +73,7 @@ def test_sequences_stick_to_their_owner_and_move_when_it_is_lost():
     for s in ids:
         assert replicas[owners[s]].contexts[s] == [1, 2, 3]  # one replica holds it all
     lost = REPLICAS[1]
-    replicas[lost].is_up = False
+    replicas[lost].failure = ConnectionError(f"drafter at {lost} is unreachable")
     with pytest.raises(SequenceNotFound) as missing:
         drafter.propose([DraftRequest(s, [4], 4) for s in ids])
     # Every sequence of the call must re-send: the lost replica's moved, the others' were
@@ -125,8 +91,8 @@ def test_sequences_stick_to_their_owner_and_move_when_it_is_lost():
     assert drafter.end(ids + ["unknown"]) == len(ids)
 
 
-def test_a_sequence_of_a_replica_lost_between_calls_is_not_found():
-    drafter, replicas = fake_cluster()
+def test_a_sequence_of_a_replica_lost_between_calls_is_not_found(fake_proposer):
+    drafter, replicas = fake_cluster(fake_proposer)
     drafter.propose([DraftRequest("a", [1], 4, is_start=True)])
     owner = drafter.owner_of("a")
     drafter._down[owner] = float("inf")  # it failed for another sequence's call
