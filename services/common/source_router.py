@@ -114,6 +114,7 @@ class SourceRouter:
         self._source_of: dict[str, str] = {}  # seq_id -> its source
         self._last_budget: dict[str, int] = {}  # seq_id -> budget of its last drafted step
         self._returned_at: float | None = None  # when the previous propose call returned
+        self._last_ids: set[str] = set()  # the sequences of the previous propose call
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -132,7 +133,10 @@ class SourceRouter:
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
         called_at = time.perf_counter()
-        if self._returned_at is not None:
+        # The time since the last call is a step without its drafting only when the engine
+        # went straight on with the same sequences, not after an idle spell.
+        if self._returned_at is not None and any(
+                not r.is_start and r.seq_id in self._last_ids for r in requests):
             self.chooser.observe_rest(called_at - self._returned_at)
         unknown = [r.seq_id for r in requests
                    if not r.is_start and r.seq_id not in self._source_of]
@@ -168,6 +172,7 @@ class SourceRouter:
                 self.chooser.observe_tokens(name, [len(request.token_ids)])
             self._source_of[request.seq_id] = name
             self._last_budget[request.seq_id] = request.budget
+        self._last_ids = {r.seq_id for r in requests}
         self._returned_at = time.perf_counter()
         return trees  # type: ignore[return-value]
 

@@ -109,6 +109,10 @@ def test_router_measures_tokens_from_continuations_of_drafted_steps(fake_propose
     # x's 3 new tokens follow a drafted step; y's follow a step without drafts: not counted.
     assert cost.num_steps == 1 and cost.tokens_per_step == 3
     assert router.chooser.rest_s > 0 and cost.draft_s > 0
+    rest = router.chooser.rest_s
+    router.end(["x", "y"])
+    router.propose([start("z")])  # after an idle spell: not a step's rest
+    assert router.chooser.rest_s == rest
 
 
 def test_chooser_rejects_bad_settings(fake_proposer):
