@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from typing import Any
 
@@ -35,6 +35,7 @@ from sssd.common.targets import Resolver, StaticResolver, parse_targets, rendezv
 from sssd.drafter.client import RemoteDrafter
 
 logger = logging.getLogger(__name__)
+
 
 class ReplicatedDrafter:
     """A `Proposer` over drafter replicas with per-sequence stickiness; see the module doc."""
@@ -54,6 +55,8 @@ class ReplicatedDrafter:
         self._resolved: list[str] = []
         self._resolved_at = float("-inf")
         self._down: dict[str, float] = {}  # replica -> monotonic time it may be probed again
+        self._probes: dict[str, Future] = {}  # replica -> its health check in flight
+        self._resolving: Future | None = None  # a resolution in flight
         self._pool = ThreadPoolExecutor(8, thread_name_prefix="drafter-replicas")
         self.num_moved = 0  # sequences moved off a replica that left
 
@@ -119,14 +122,24 @@ class ReplicatedDrafter:
     # --- replicas ------------------------------------------------------------------------------
 
     def live_replicas(self) -> list[str]:
-        """The resolved replicas not marked down, re-resolving every resolve_interval_s and
-        taking a down replica back once its health check answers SERVING."""
+        """The resolved replicas not marked down. Re-resolution (every resolve_interval_s) and
+        the health checks of down replicas run on the pool, off the decode step; only the first
+        resolution is waited for."""
         now = time.monotonic()
-        if now - self._resolved_at >= self.resolve_interval_s:
-            self._resolve(now)
+        if self._resolving is None and now - self._resolved_at >= self.resolve_interval_s:
+            self._resolving = self._pool.submit(self.resolver.resolve)
+            if self._resolved_at == float("-inf"):
+                wait([self._resolving])
+        if self._resolving is not None and self._resolving.done():
+            resolving, self._resolving = self._resolving, None
+            self._apply_resolution(resolving, now)
         for replica, until in list(self._down.items()):
-            if now >= until and replica in self._resolved:
-                if self._serving(replica):
+            probe = self._probes.get(replica)
+            if probe is None and now >= until and replica in self._resolved:
+                self._probes[replica] = self._pool.submit(self._serving, replica)
+            elif probe is not None and probe.done():
+                del self._probes[replica]
+                if probe.result():
                     del self._down[replica]
                     logger.info("drafter %s is back", replica)
                 else:
@@ -140,23 +153,24 @@ class ReplicatedDrafter:
     def owner_of(self, seq_id: str) -> str | None:
         return self._owner.get(seq_id)
 
-    def _resolve(self, now: float) -> None:
+    def _apply_resolution(self, resolving: Future, now: float) -> None:
+        self._resolved_at = now
         try:
-            resolved = self.resolver.resolve()
+            resolved = resolving.result()
         except OSError as exc:  # keep the last answer: DNS hiccups must not stop drafting
             logger.warning("resolving the drafter replicas failed (%s); keeping %s", exc,
                            self._resolved)
-            self._resolved_at = now
             return
         if resolved != self._resolved:
             logger.info("drafter replicas: %s", ", ".join(resolved) or "none")
         for replica in set(self._clients) - set(resolved):
             self._clients.pop(replica).close()
             self._down.pop(replica, None)
+            self._probes.pop(replica, None)
         for replica in resolved:
             if replica not in self._clients:
                 self._clients[replica] = self._client(replica, self.timeout_s)
-        self._resolved, self._resolved_at = resolved, now
+        self._resolved = resolved
 
     def _end_on(self, replica: str, seq_ids: list[str]) -> int:
         try:

@@ -114,6 +114,40 @@ def test_no_reachable_replica_is_a_connection_error():
     drafter.close()
 
 
+def test_a_lost_replica_comes_back_once_its_health_check_serves(free_port, wait_until):
+    """Real gRPC, in process: a replica that stops is marked down and its sequences move; once
+    it serves again on its address the background health check takes it back."""
+    from sssd.drafter.config import DrafterConfig
+    from sssd.drafter.service import create_server
+
+    port = free_port()
+    config = DrafterConfig(vocab_size=100, port=port, num_threads=1)
+    server, _, _ = create_server(config)
+    other, other_port, _ = create_server(DrafterConfig(vocab_size=100, port=0, num_threads=1))
+    targets = (f"127.0.0.1:{port}", f"127.0.0.1:{other_port}")
+    drafter = ReplicatedDrafter(StaticResolver(targets), timeout_s=2.0, down_s=0.2)
+    try:
+        ids = [f"s{i}" for i in range(8)]
+        drafter.propose([DraftRequest(s, [1, 2], 4, is_start=True) for s in ids])
+        on_first = [s for s in ids if drafter.owner_of(s) == targets[0]]
+        assert on_first
+        server.stop(0).wait()
+        with pytest.raises(SequenceNotFound) as missing:
+            drafter.propose([DraftRequest(s, [3], 4) for s in ids])
+        assert set(on_first) <= set(missing.value.seq_ids)
+        assert drafter.info()["down"] == [targets[0]]
+        drafter.propose([DraftRequest(s, [1, 2, 3], 4, is_start=True) for s in ids])
+        assert all(drafter.owner_of(s) == targets[1] for s in ids)  # all on the survivor
+        server, _, _ = create_server(config)  # back on the same address
+        assert wait_until(lambda: targets[0] in drafter.live_replicas(), timeout=10)
+        drafter.propose([DraftRequest("new", [5], 4, is_start=True)])
+        assert drafter.info()["down"] == []
+    finally:
+        drafter.close()
+        server.stop(0).wait()
+        other.stop(0).wait()
+
+
 def start_drafter(datastore, vocab_size):
     args = [sys.executable, "-m", "sssd.drafter.service", "--port", "0", "--vocab-size",
             str(vocab_size), "--datastore-dir", datastore, "--num-threads", "1"]
