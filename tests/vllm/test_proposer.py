@@ -1,0 +1,144 @@
+"""The vLLM proposer without vLLM: its calls as vLLM makes them (rows of a token table), content
+tracking of sequences across rows, the best linear path of a tree, and a drafter that fails."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from sssd.common.draft_tree import DraftTree
+from sssd.vllm.proposer import ProposerSettings, SssdProposer, best_path
+
+MAX_LEN = 64
+K = 3
+
+
+def vllm_config(k=K):
+    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k))
+
+
+class Table:
+    """vLLM's input batch as the proposer sees it: token_ids_cpu and num_tokens_no_spec."""
+
+    def __init__(self, rows):
+        self.rows = [list(r) for r in rows]
+
+    def arrays(self):
+        table = np.zeros((8, MAX_LEN), dtype=np.int32)
+        counts = np.zeros(8, dtype=np.int32)
+        for i, row in enumerate(self.rows):
+            table[i, :len(row)] = row
+            counts[i] = len(row)
+        return table, counts
+
+    def call(self, proposer):
+        table, counts = self.arrays()
+        return proposer.propose([[0]] * len(self.rows), counts, table)
+
+
+def make(fake_proposer, num_drafts=4):
+    drafter = fake_proposer(num_drafts)
+    settings = ProposerSettings(drafter="127.0.0.1:1", budget=8)
+    return SssdProposer(vllm_config(), drafter=drafter, settings=settings), drafter
+
+
+def test_rows_continue_their_sequences_with_only_the_new_tokens(fake_proposer):
+    proposer, drafter = make(fake_proposer)
+    table = Table([[5, 6, 7], [9, 9]])
+    drafts = table.call(proposer)
+    assert drafts == [[1, 2, 3], [1, 2, 3]]  # K = 3 of the 4-token chains
+    ids = [seq_id for seq_id in drafter.contexts]
+    table.rows[0] += [1, 2]  # two accepted + the bonus, as vLLM appends them
+    table.rows[1] += [4]
+    table.call(proposer)
+    assert [drafter.contexts[i] for i in ids] == [[5, 6, 7, 1, 2], [9, 9, 4]]
+    assert len(drafter.calls) == 2 and len(drafter.contexts) == 2  # no new sequences
+
+
+def test_a_row_that_holds_another_request_starts_a_new_sequence(fake_proposer):
+    proposer, drafter = make(fake_proposer)
+    table = Table([[5, 6, 7], [9, 9]])
+    table.call(proposer)
+    first_ids = list(drafter.contexts)
+    table.rows[0] = [3, 3, 3, 3]  # request 0 finished, another took its row
+    table.call(proposer)
+    assert first_ids[0] not in drafter.contexts  # ended in the drafter
+    assert first_ids[1] in drafter.contexts and len(drafter.contexts) == 2
+    assert [3, 3, 3, 3] in drafter.contexts.values()
+    table.rows = table.rows[:1]  # the batch shrank: row 1's sequence ends
+    table.call(proposer)
+    assert list(drafter.contexts.values()) == [[3, 3, 3, 3]]
+    proposer.close()
+    assert not drafter.contexts and drafter.closed == 1
+
+
+def test_a_lost_sequence_is_sent_again_whole(fake_proposer):
+    proposer, drafter = make(fake_proposer)
+    table = Table([[5, 6, 7]])
+    table.call(proposer)
+    (seq_id,) = drafter.contexts
+    drafter.contexts.clear()  # the drafter restarted
+    table.rows[0] += [8]
+    assert table.call(proposer) == [[1, 2, 3]]
+    assert list(drafter.contexts.values()) == [[5, 6, 7, 8]]
+
+
+def test_a_new_row_whose_start_was_lost_is_started_again(fake_proposer):
+    proposer, drafter = make(fake_proposer)
+    table = Table([[5, 6, 7]])
+    table.call(proposer)
+    (old_id,) = drafter.contexts
+    drafter.lose = {old_id}  # the drafter lost row 0's sequence...
+    table.rows[0] += [8]
+    table.rows.append([1, 2])  # ...in the step a new request joins
+    assert table.call(proposer) == [[1, 2, 3], [1, 2, 3]]
+    assert len(drafter.calls) == 3  # the refused call and its re-send
+    # Row 0 restarted under a new id with its whole context; row 1's start, refused with the
+    # first attempt, went again as a start (not as a continuation of nothing).
+    held = {seq_id: ctx for seq_id, ctx in drafter.contexts.items() if seq_id != old_id}
+    assert sorted(held.values()) == [[1, 2], [5, 6, 7, 8]]
+
+
+def test_a_failing_drafter_gives_no_drafts_and_never_raises(fake_proposer):
+    proposer, drafter = make(fake_proposer)
+    table = Table([[5, 6, 7], [1]])
+    drafter.failure = TimeoutError("deadline")
+    assert table.call(proposer) == [[], []]
+    assert proposer.num_failures == 1
+    drafter.failure = None
+    assert table.call(proposer) == [[1, 2, 3], [1, 2, 3]]  # restarted with full contexts
+    assert sorted(drafter.contexts.values()) == [[1], [5, 6, 7]]
+
+
+def test_best_path_maximizes_expected_accepted_tokens():
+    #        0
+    #      /   \
+    #     1(.9)  2(.5)
+    #     |      |
+    #     3(.1)  4(.45)
+    #            |
+    #            5(.4)
+    tree = DraftTree(np.array([0, 10, 20, 11, 21, 22], dtype=np.int32),
+                     np.array([-1, 0, 0, 1, 2, 4], dtype=np.int32),
+                     np.array([1, .9, .5, .1, .45, .4], dtype=np.float32))
+    assert best_path(tree, 3) == [20, 21, 22]  # 1.35 expected against 1.0
+    assert best_path(tree, 1) == [10]
+    assert best_path(tree, 2) == [10, 11]  # 1.0 against 0.95
+    assert best_path(DraftTree.root_only(7), 3) == []
+    chain = DraftTree(np.array([0, 1, 2], dtype=np.int32), np.array([-1, 0, 1], dtype=np.int32))
+    assert best_path(chain, 5) == [1, 2]  # no scores: the deepest path
+
+
+def test_settings_come_from_the_environment_with_clear_errors():
+    settings = ProposerSettings.from_env({"SSSD_VLLM_DRAFTER": "a:1,b:2",
+                                          "SSSD_VLLM_BUDGET": "24", "SSSD_VLLM_TIMEOUT_S": "0.5",
+                                          "SSSD_VLLM_CHECK_TOKENIZER": "no"})
+    assert settings == ProposerSettings("a:1,b:2", 24, 0.5, False)
+    with pytest.raises(ValueError, match="SSSD_VLLM_DRAFTER"):
+        ProposerSettings.from_env({})
+    with pytest.raises(ValueError, match="SSSD_VLLM_BUDGET='x'"):
+        ProposerSettings.from_env({"SSSD_VLLM_DRAFTER": "a:1", "SSSD_VLLM_BUDGET": "x"})
+    with pytest.raises(ValueError, match="BUDGET must be >= 2"):
+        ProposerSettings.from_env({"SSSD_VLLM_DRAFTER": "a:1", "SSSD_VLLM_BUDGET": "1"})
