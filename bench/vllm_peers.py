@@ -117,7 +117,8 @@ def start_drafter(datastore: str, port: int) -> subprocess.Popen:
         try:
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 if health_pb2_grpc.HealthStub(channel).Check(
-                        health_pb2.HealthCheckRequest(), timeout=2).status == 1:
+                        health_pb2.HealthCheckRequest(), timeout=2).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
                     return drafter
         except grpc.RpcError:
             time.sleep(0.5)

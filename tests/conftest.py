@@ -213,3 +213,32 @@ class FakeProposer:
 def fake_proposer():
     """The FakeProposer class (tests cannot import each other's modules)."""
     return FakeProposer
+
+
+@pytest.fixture
+def spawn_service():
+    """spawn(args) -> (process, port): starts a service command that logs "listening on
+    127.0.0.1:PORT" (INFO) with stderr piped, and returns once it has. Every process spawned
+    is killed at teardown, if still running."""
+    import os
+    import re
+    import subprocess
+
+    processes = []
+
+    def spawn(args):
+        process = subprocess.Popen(args, stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, "SSSD_LOG_LEVEL": "INFO"})
+        processes.append(process)
+        for line in process.stderr:
+            if match := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
+                return process, int(match.group(1))
+        raise AssertionError(f"{' '.join(args[:3])} exited with {process.wait()} before it "
+                             "reported its port")
+
+    yield spawn
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait(10)
+        process.stderr.close()

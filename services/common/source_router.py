@@ -20,8 +20,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from sssd.common.batch_split import propose_split, raise_failure
 from sssd.common.draft_tree import DraftTree
 from sssd.common.drafting import CountingProposer, DraftRequest, Proposer, SequenceNotFound
 
@@ -58,13 +59,12 @@ class CostChooser:
         self.smoothing = smoothing
         self._num_picks = 0
 
-    def observe_tokens(self, name: str, num_tokens: Sequence[int]) -> None:
-        """`num_tokens`: per continuing sequence, the tokens its last drafted step emitted."""
+    def observe_tokens(self, name: str, num_tokens: int) -> None:
+        """`num_tokens`: what a continuing sequence's last drafted step emitted."""
         cost = self.costs[name]
-        for n in num_tokens:
-            weight = max(self.smoothing, 1.0 / (cost.num_steps + 1))  # plain mean at first
-            cost.tokens_per_step += weight * (n - cost.tokens_per_step)
-            cost.num_steps += 1
+        weight = max(self.smoothing, 1.0 / (cost.num_steps + 1))  # plain mean at first
+        cost.tokens_per_step += weight * (num_tokens - cost.tokens_per_step)
+        cost.num_steps += 1
 
     def observe_draft(self, name: str, seconds: float) -> None:
         cost = self.costs[name]
@@ -143,50 +143,26 @@ class SourceRouter:
         if unknown:
             raise SequenceNotFound(unknown)
         names = [self._assign(r) for r in requests]  # ValueError before any source is called
-        rows_of: dict[str, list[int]] = {}
-        for row, name in enumerate(names):
-            rows_of.setdefault(name, []).append(row)
-        trees: list[DraftTree | None] = [None] * len(requests)
-        done: list[tuple[str, list[int]]] = []
-        for name, rows in rows_of.items():
-            start = time.perf_counter()
-            try:
-                part = self.proposers[name].propose([requests[row] for row in rows])
-            except SequenceNotFound as missing:
-                # Sources called before this one already took their rows' tokens: end those
-                # sequences there too, so the engine's re-send of full contexts is exact.
-                self._end_rows(done, requests)
-                raise SequenceNotFound(list(missing.seq_ids) + [
-                    requests[row].seq_id for _, done_rows in done for row in done_rows]) from None
-            except Exception:
-                # The engine restarts every sequence of the batch after any other failure.
-                self._end_rows(done, requests)
-                raise
-            self.chooser.observe_draft(name, time.perf_counter() - start)
-            for row, tree in zip(rows, part):
-                trees[row] = tree
-            done.append((name, rows))
+        split = propose_split(requests, names, self.proposers.__getitem__)
+        if split.failures:
+            # A lost sequence is re-sent whole to every source; another error restarts all.
+            raise_failure(split, requests)
+        if any(r.budget > 1 for r in requests):  # not a bare append
+            for name, seconds in split.seconds.items():
+                self.chooser.observe_draft(name, seconds)
         for request, name in zip(requests, names):
             previous = self._last_budget.get(request.seq_id, 1)
             if not request.is_start and previous > 1:
-                self.chooser.observe_tokens(name, [len(request.token_ids)])
+                self.chooser.observe_tokens(name, len(request.token_ids))
             self._source_of[request.seq_id] = name
             self._last_budget[request.seq_id] = request.budget
         self._last_ids = {r.seq_id for r in requests}
         self._returned_at = time.perf_counter()
-        return trees  # type: ignore[return-value]
+        return split.trees  # type: ignore[return-value]
 
     def append(self, requests: Sequence[DraftRequest]) -> None:
-        unknown = [r.seq_id for r in requests
-                   if not r.is_start and r.seq_id not in self._source_of]
-        if unknown:
-            raise SequenceNotFound(unknown)
-        names = [self._assign(r) for r in requests]
-        for name in dict.fromkeys(names):
-            self.proposers[name].append([r for r, n in zip(requests, names) if n == name])
-        for request, name in zip(requests, names):
-            self._source_of[request.seq_id] = name
-            self._last_budget[request.seq_id] = 1
+        """A propose at budget 1: the sources keep their state and draft nothing."""
+        self.propose([replace(r, budget=1) for r in requests])
 
     def end(self, seq_ids: Sequence[str]) -> int:
         by_source: dict[str, list[str]] = {}
@@ -211,14 +187,3 @@ class SourceRouter:
         if known is not None:
             return known
         return self.chooser.pick() if len(self.proposers) > 1 else next(iter(self.proposers))
-
-    def _end_rows(self, done: list[tuple[str, list[int]]],
-                  requests: Sequence[DraftRequest]) -> None:
-        """Ends sequences in the sources that took this call's tokens; they keep their source
-        and restart there when the engine re-sends their full contexts."""
-        for name, rows in done:
-            ids = [requests[row].seq_id for row in rows]
-            try:
-                self.proposers[name].end(ids)
-            except Exception as exc:  # noqa: BLE001 - they restart with full contexts anyway
-                logger.warning("ending %s in source %s failed: %s", ids, name, exc)

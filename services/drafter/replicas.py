@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from sssd.common.batch_split import Split, propose_split, raise_failure
 from sssd.common.draft_tree import DraftTree
 from sssd.common.drafting import DraftRequest, Proposer, SequenceNotFound
 from sssd.common.targets import Resolver, StaticResolver, parse_targets, rendezvous_owner
@@ -76,22 +77,11 @@ class ReplicatedDrafter:
                                   f"{self._resolved or 'none'})")
         targets = [rendezvous_owner(r.seq_id, live) if r.is_start else self._owner[r.seq_id]
                    for r in requests]
-        rows_of: dict[str, list[int]] = {}
-        for row, target in enumerate(targets):
-            rows_of.setdefault(target, []).append(row)
-        futures = {target: self._pool.submit(self._clients[target].propose,
-                                             [requests[row] for row in rows])
-                   for target, rows in rows_of.items()}
-        trees: list[DraftTree | None] = [None] * len(requests)
-        failed: dict[str, BaseException] = {}
-        for target, future in futures.items():
-            try:
-                for row, tree in zip(rows_of[target], future.result()):
-                    trees[row] = tree
-            except Exception as exc:  # noqa: BLE001 - sorted out below
-                failed[target] = exc
-        if failed:
-            self._fail(failed, rows_of, requests)
+        split = propose_split(requests, targets, self._clients.__getitem__, self._pool)
+        if split.failures:
+            self._mark_unreachable(split, requests)
+            # The unreachable replicas' sequences go to their new owners in this same step.
+            raise_failure(split, requests, is_lost=lambda exc: isinstance(exc, ConnectionError))
         stale: dict[str, list[str]] = {}  # restarted elsewhere: the old copy is dead weight
         for request, target in zip(requests, targets):
             previous = self._owner.get(request.seq_id)
@@ -100,7 +90,7 @@ class ReplicatedDrafter:
             self._owner[request.seq_id] = target
         for replica, ids in stale.items():
             self._end_on(replica, ids)
-        return trees  # type: ignore[return-value]
+        return split.trees  # type: ignore[return-value]
 
     def append(self, requests: Sequence[DraftRequest]) -> None:
         self.propose([replace(request, budget=1) for request in requests])
@@ -189,37 +179,17 @@ class ReplicatedDrafter:
         except grpc.RpcError:
             return False
 
-    def _fail(self, failed: dict[str, BaseException], rows_of: dict[str, list[int]],
-              requests: Sequence[DraftRequest]) -> None:
-        """Raises for a call that failed on some replicas. The replicas that answered took their
-        rows' tokens: those sequences are ended there, so the re-send the engine makes after
-        any error is exact. A replica that could not be reached is marked down and its
-        sequences raise SequenceNotFound, so the engine re-sends them to their new owners in
-        this same step."""
-        ok_ids = [requests[row].seq_id for target, rows in rows_of.items()
-                  if target not in failed for row in rows]
-        for target, rows in rows_of.items():
-            if target not in failed:
-                self._end_on(target, [requests[row].seq_id for row in rows])
-        missing = list(ok_ids)
-        other: BaseException | None = None
-        for target, exc in failed.items():
-            ids = [requests[row].seq_id for row in rows_of[target]]
-            if isinstance(exc, ConnectionError):
-                logger.warning("drafter %s is unreachable (%s): its %d sequences move", target,
-                               exc, sum(owner == target for owner in self._owner.values()))
-                self._down[target] = time.monotonic() + self.down_s
-                self.num_moved += sum(seq_id in self._owner for seq_id in ids)
-                for seq_id in ids:
-                    self._owner.pop(seq_id, None)
-                missing.extend(ids)
-            elif isinstance(exc, SequenceNotFound):  # the replica restarted and lost them
-                missing.extend(ids)
-            else:
-                other = exc
-        if other is not None:
-            raise other
-        raise SequenceNotFound(missing)
+    def _mark_unreachable(self, split: Split[str], requests: Sequence[DraftRequest]) -> None:
+        """A replica that could not be reached is skipped until its health check serves
+        again; its sequences of this call lose their owner (they start on a new one)."""
+        for target, exc in split.failures.items():
+            if not isinstance(exc, ConnectionError):
+                continue
+            logger.warning("drafter %s is unreachable (%s): its %d sequences move", target, exc,
+                           sum(owner == target for owner in self._owner.values()))
+            self._down[target] = time.monotonic() + self.down_s
+            for row in split.rows_of[target]:
+                self.num_moved += self._owner.pop(requests[row].seq_id, None) is not None
 
 
 def connect(target: str, timeout_s: float = 1.0) -> Proposer:

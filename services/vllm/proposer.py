@@ -211,14 +211,14 @@ class SssdProposer:
             logger.warning("ending %d sequences in the drafter failed: %s", len(seq_ids), exc)
 
 
-def _check_tokenizer(drafter: Proposer, vllm_config: Any, target: str) -> None:
+def _check_tokenizer(drafter: Any, vllm_config: Any, target: str) -> None:
     """Refuses a drafter whose datastore was built with another tokenizer than vLLM's model."""
     from transformers import AutoTokenizer
 
     from sssd.common.tokenizer import tokenizer_fingerprint
 
-    info = getattr(drafter, "info", None)
-    theirs = info().get("tokenizer_fingerprint", "") if callable(info) else ""
+    # One replica's GetInfo has the fingerprint; a replica set reports its replicas instead.
+    theirs = drafter.info().get("tokenizer_fingerprint", "")
     if not theirs:
         return  # a drafter without a recorded fingerprint accepts any vocabulary
     model_config = vllm_config.model_config

@@ -86,11 +86,13 @@ def test_auto_measures_every_source_then_picks_the_faster_and_keeps_exploring():
     for _ in range(2):
         name = chooser.pick()
         firsts.append(name)
-        chooser.observe_tokens(name, [2] * 4)
+        for _ in range(4):
+            chooser.observe_tokens(name, 2)
     assert set(firsts) == {"sssd", "ssd"}  # each measured before any is preferred
     chooser.observe_rest(0.100)
     chooser.observe_draft("sssd", 0.001)  # 2 tokens per 101 ms
-    chooser.observe_tokens("ssd", [4] * 40)  # ~4 tokens per 150 ms: faster
+    for _ in range(40):  # ~4 tokens per 150 ms: faster
+        chooser.observe_tokens("ssd", 4)
     for _ in range(20):
         chooser.observe_draft("ssd", 0.050)
     assert chooser.tokens_per_second("ssd") > chooser.tokens_per_second("sssd")

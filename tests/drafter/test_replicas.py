@@ -3,10 +3,7 @@ lost replica's sequences, and three real drafter processes with one killed under
 
 from __future__ import annotations
 
-import os
-import re
 import signal
-import subprocess
 import sys
 
 import pytest
@@ -148,52 +145,37 @@ def test_a_lost_replica_comes_back_once_its_health_check_serves(free_port, wait_
         other.stop(0).wait()
 
 
-def start_drafter(datastore, vocab_size):
-    args = [sys.executable, "-m", "sssd.drafter.service", "--port", "0", "--vocab-size",
-            str(vocab_size), "--datastore-dir", datastore, "--num-threads", "1"]
-    process = subprocess.Popen(args, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "SSSD_LOG_LEVEL": "INFO"})
-    for line in process.stderr:
-        if match := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
-            return process, f"127.0.0.1:{match.group(1)}"
-    process.kill()
-    raise AssertionError("the drafter never reported its port")
-
-
 def test_three_replicas_one_killed_under_load(warm_datastore, target_model_fp32, engine_factory,
-                                              mt_bench_prompts, greedy_references):
+                                              mt_bench_prompts, greedy_references,
+                                              spawn_service):
+    args = [sys.executable, "-m", "sssd.drafter.service", "--port", "0", "--vocab-size",
+            str(target_model_fp32.vocab_size), "--datastore-dir", warm_datastore,
+            "--num-threads", "1"]
     processes, targets = [], []
-    try:
-        for _ in range(3):
-            process, target = start_drafter(warm_datastore, target_model_fp32.vocab_size)
-            processes.append(process)
-            targets.append(target)
-        drafter = ReplicatedDrafter(StaticResolver(tuple(targets)), timeout_s=5.0, down_s=60)
-        engine, _ = engine_factory(4, proposer=drafter, max_budget=8)
-        prompts = [0, 2, 4, 6]  # their answers are in the datastore: drafts get accepted
-        sequences = [engine.add_request(GenerateRequest(tuple(mt_bench_prompts[i]), 40))
-                     for i in prompts]
-        killed, accepted_after = None, 0
-        while engine.has_work():
-            step = engine.step()
-            if killed is None and engine.stats.num_steps >= 4:
-                owners = {drafter.owner_of(s.request_id) for s in sequences if not s.is_finished}
-                killed = sorted(owners - {None})[0]
-                processes[targets.index(killed)].send_signal(signal.SIGKILL)
-                processes[targets.index(killed)].wait(10)
-                moved = [s.request_id for s in sequences
-                         if drafter.owner_of(s.request_id) == killed]
-            elif killed is not None:
-                accepted_after += sum(row.num_accepted for row in step.rows)
-        for index, seq in zip(prompts, sequences):
-            assert seq.output_ids == greedy_references[index][:40]  # no request failed or changed
-        assert moved and drafter.num_moved == len(moved)
-        assert drafter.info()["down"] == [killed]
-        assert accepted_after > 0  # drafting went on, on the surviving replicas
-        engine.close()
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait(10)
-            process.stderr.close()
+    for _ in range(3):
+        process, port = spawn_service(args)
+        processes.append(process)
+        targets.append(f"127.0.0.1:{port}")
+    drafter = ReplicatedDrafter(StaticResolver(tuple(targets)), timeout_s=5.0, down_s=60)
+    engine, _ = engine_factory(4, proposer=drafter, max_budget=8)
+    prompts = [0, 2, 4, 6]  # their answers are in the datastore: drafts get accepted
+    sequences = [engine.add_request(GenerateRequest(tuple(mt_bench_prompts[i]), 40))
+                 for i in prompts]
+    killed, accepted_after = None, 0
+    while engine.has_work():
+        step = engine.step()
+        if killed is None and engine.stats.num_steps >= 4:
+            owners = {drafter.owner_of(s.request_id) for s in sequences if not s.is_finished}
+            killed = sorted(owners - {None})[0]
+            processes[targets.index(killed)].send_signal(signal.SIGKILL)
+            processes[targets.index(killed)].wait(10)
+            moved = [s.request_id for s in sequences
+                     if drafter.owner_of(s.request_id) == killed]
+        elif killed is not None:
+            accepted_after += sum(row.num_accepted for row in step.rows)
+    for index, seq in zip(prompts, sequences):
+        assert seq.output_ids == greedy_references[index][:40]  # no request failed or changed
+    assert moved and drafter.num_moved == len(moved)
+    assert drafter.info()["down"] == [killed]
+    assert accepted_after > 0  # drafting went on, on the surviving replicas
+    engine.close()
