@@ -5,8 +5,10 @@ speculative method.
                                        "model": "sssd.vllm.proposer.SssdProposer",
                                        "num_speculative_tokens": 8})
 
-with SSSD_VLLM_DRAFTER=host:port (or h1:p1,h2:p2 / dns:///NAME:PORT: several replicas with
-sticky routing) in vLLM's environment; see `ProposerSettings` for the other variables. vLLM
+and the drafter's address in vLLM's `additional_config={"sssd": {"drafter": "host:port"}}`
+(`vllm serve --additional-config '{"sssd": {...}}'`) or in the environment of vLLM's workers as
+SSSD_VLLM_DRAFTER=host:port; h1:p1,h2:p2 or dns:///NAME:PORT give several replicas with sticky
+routing. See `ProposerSettings` for the other fields (the config's win over the environment's). vLLM
 builds the class in each worker with its VllmConfig and calls `propose` once per step for the
 whole batch: per row the tokens sampled last step, the row's token count without speculative
 tokens, and the token-id table of the batch. It returns a linear draft per row (vLLM v1
@@ -42,41 +44,85 @@ from sssd.common.drafting import DraftRequest, Proposer, SequenceNotFound
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "SSSD_VLLM_"
+CONFIG_KEY = "sssd"  # vLLM's additional_config section
 
 
 @dataclass(frozen=True)
 class ProposerSettings:
-    """Read from the environment of vLLM's workers (SSSD_VLLM_<FIELD>)."""
+    """Read from vLLM's additional_config["sssd"] ({"drafter": ..., "budget": ...}) and from the
+    environment of vLLM's workers (SSSD_VLLM_<FIELD>); the config's values win."""
 
     drafter: str  # the drafter service: host:port, h1:p1,h2:p2,... or dns:///NAME:PORT
     budget: int = 16  # draft-tree nodes asked per sequence (root included)
     timeout_s: float = 0.2  # past this a step goes without drafts
     check_tokenizer: bool = True  # refuse a drafter whose datastore has another tokenizer
+    # Draft only tokens whose path score (the drafter's estimate of the chance that the draft up
+    # to them is accepted) is at least this: vLLM verifies a linear draft whole, so a token
+    # unlikely to be accepted costs verification work for nothing.
+    min_score: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.drafter:
-            raise ValueError(f"{ENV_PREFIX}DRAFTER: set it to the drafter service's host:port")
+            raise ValueError(f"no drafter address: set additional_config[\"{CONFIG_KEY}\"]"
+                             f"[\"drafter\"] or {ENV_PREFIX}DRAFTER to the drafter service's "
+                             "host:port")
         if self.budget < 2:
-            raise ValueError(f"{ENV_PREFIX}BUDGET must be >= 2, got {self.budget}")
+            raise ValueError(f"budget ({ENV_PREFIX}BUDGET) must be >= 2, got {self.budget}")
         if self.timeout_s <= 0:
-            raise ValueError(f"{ENV_PREFIX}TIMEOUT_S must be > 0, got {self.timeout_s}")
+            raise ValueError(f"timeout_s ({ENV_PREFIX}TIMEOUT_S) must be > 0, got "
+                             f"{self.timeout_s}")
+        if not 0 <= self.min_score <= 1:
+            raise ValueError(f"min_score ({ENV_PREFIX}MIN_SCORE) must be in [0, 1], got "
+                             f"{self.min_score}")
+
+    @classmethod
+    def from_config(cls, vllm_config: Any,
+                    environ: dict[str, str] | None = None) -> "ProposerSettings":
+        """The environment's settings, overridden by additional_config["sssd"] where present."""
+        values = _env_values(os.environ if environ is None else environ)
+        extra = getattr(vllm_config, "additional_config", None)
+        section = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
+        if section is None:
+            return cls(**values)
+        where = f'additional_config["{CONFIG_KEY}"]'
+        if not isinstance(section, dict):
+            raise ValueError(f"{where} must be a dict, got {type(section).__name__}")
+        unknown = sorted(set(section) - set(_KINDS))
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(_KINDS)}")
+        for name, value in section.items():
+            kind = _KINDS[name]
+            exact = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+            widened = kind is float and isinstance(value, int) and not isinstance(value, bool)
+            if not (exact or widened):
+                raise ValueError(f'{where}["{name}"]={value!r}: not a {kind.__name__}')
+        return cls(**(values | section))
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "ProposerSettings":
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {"drafter": env.get(ENV_PREFIX + "DRAFTER", "")}
-        for name, kind in (("budget", int), ("timeout_s", float)):
-            raw = env.get(ENV_PREFIX + name.upper())
-            if raw is not None:
-                try:
-                    values[name] = kind(raw)
-                except ValueError:
-                    raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r}: not a valid "
-                                     f"{kind.__name__}") from None
-        if ENV_PREFIX + "CHECK_TOKENIZER" in env:
-            values["check_tokenizer"] = env[ENV_PREFIX + "CHECK_TOKENIZER"].lower() in (
-                "1", "true", "yes")
-        return cls(**values)
+        return cls(**_env_values(os.environ if environ is None else environ))
+
+
+_KINDS = {"drafter": str, "budget": int, "timeout_s": float, "check_tokenizer": bool,
+          "min_score": float}
+
+
+def _env_values(env: Any) -> dict[str, Any]:
+    """The ProposerSettings fields set by SSSD_VLLM_<FIELD> variables (drafter always)."""
+    values: dict[str, Any] = {"drafter": env.get(ENV_PREFIX + "DRAFTER", "")}
+    for name, kind in (("budget", int), ("timeout_s", float), ("min_score", float)):
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is not None:
+            try:
+                values[name] = kind(raw)
+            except ValueError:
+                raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r}: not a valid "
+                                 f"{kind.__name__}") from None
+    if ENV_PREFIX + "CHECK_TOKENIZER" in env:
+        values["check_tokenizer"] = env[ENV_PREFIX + "CHECK_TOKENIZER"].lower() in (
+            "1", "true", "yes")
+    return values
 
 
 @dataclass
@@ -86,10 +132,12 @@ class _Row:
     tokens: np.ndarray | None
 
 
-def best_path(tree: DraftTree, max_len: int) -> list[int]:
+def best_path(tree: DraftTree, max_len: int, min_score: float = 0.0) -> list[int]:
     """The root-to-node path of at most `max_len` drafts with the largest sum of path scores
     (the expected number of accepted tokens when each score is the chance its prefix is
-    accepted); without scores, the deepest path of first children."""
+    accepted), through nodes scored `min_score` or more only (a node's score never exceeds its
+    parent's, so the path stops where the chance of acceptance falls below it); without scores,
+    the deepest path of first children."""
     num_nodes = tree.num_nodes
     if num_nodes <= 1 or max_len <= 0:
         return []
@@ -100,7 +148,12 @@ def best_path(tree: DraftTree, max_len: int) -> list[int]:
     for node in range(1, num_nodes):  # parents precede their children
         depth[node] = depth[parents[node]] + 1
         value[node] = value[parents[node]] + float(scores[node])
-    eligible = np.nonzero((depth >= 1) & (depth <= max_len))[0]
+    eligible = (depth >= 1) & (depth <= max_len)
+    if tree.probs is not None and min_score > 0:
+        eligible &= scores >= min_score
+    eligible = np.nonzero(eligible)[0]
+    if len(eligible) == 0:
+        return []
     # Ties go to the earlier node: the drafter orders nodes best first.
     node = int(eligible[np.argmax(value[eligible])])
     path = []
@@ -117,7 +170,7 @@ class SssdProposer:
                  settings: ProposerSettings | None = None) -> None:
         """`vllm_config`: vLLM's VllmConfig (its speculative_config gives the draft length);
         `drafter`/`settings`: for tests, else the environment decides."""
-        self.settings = settings or ProposerSettings.from_env()
+        self.settings = settings or ProposerSettings.from_config(vllm_config)
         self.num_speculative_tokens = int(
             vllm_config.speculative_config.num_speculative_tokens)
         if drafter is None:
@@ -165,7 +218,8 @@ class SssdProposer:
             state = self._rows[row]
             assert state is not None
             state.tokens = context.copy()
-        return [best_path(tree, self.num_speculative_tokens) for tree in trees]
+        return [best_path(tree, self.num_speculative_tokens, self.settings.min_score)
+                for tree in trees]
 
     def close(self) -> None:
         self._end_rows(range(len(self._rows)))

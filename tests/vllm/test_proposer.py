@@ -129,6 +129,12 @@ def test_best_path_maximizes_expected_accepted_tokens():
     assert best_path(DraftTree.root_only(7), 3) == []
     chain = DraftTree(np.array([0, 1, 2], dtype=np.int32), np.array([-1, 0, 1], dtype=np.int32))
     assert best_path(chain, 5) == [1, 2]  # no scores: the deepest path
+    # min_score: only nodes that likely; the best path among them.
+    assert best_path(tree, 3, min_score=0.42) == [20, 21]  # 0.95 against 0.9
+    assert best_path(tree, 3, min_score=0.47) == [10]  # 0.9 against 0.5
+    assert best_path(tree, 3, min_score=0.3) == [20, 21, 22]
+    assert best_path(tree, 3, min_score=0.95) == []
+    assert best_path(chain, 5, min_score=0.99) == [1, 2]  # no scores to compare
 
 
 def test_settings_come_from_the_environment_with_clear_errors():
@@ -136,9 +142,35 @@ def test_settings_come_from_the_environment_with_clear_errors():
                                           "SSSD_VLLM_BUDGET": "24", "SSSD_VLLM_TIMEOUT_S": "0.5",
                                           "SSSD_VLLM_CHECK_TOKENIZER": "no"})
     assert settings == ProposerSettings("a:1,b:2", 24, 0.5, False)
+    assert ProposerSettings.from_env({"SSSD_VLLM_DRAFTER": "a:1",
+                                      "SSSD_VLLM_MIN_SCORE": "0.25"}).min_score == 0.25
+    with pytest.raises(ValueError, match=r"MIN_SCORE\) must be in \[0, 1\]"):
+        ProposerSettings.from_env({"SSSD_VLLM_DRAFTER": "a:1", "SSSD_VLLM_MIN_SCORE": "2"})
     with pytest.raises(ValueError, match="SSSD_VLLM_DRAFTER"):
         ProposerSettings.from_env({})
     with pytest.raises(ValueError, match="SSSD_VLLM_BUDGET='x'"):
         ProposerSettings.from_env({"SSSD_VLLM_DRAFTER": "a:1", "SSSD_VLLM_BUDGET": "x"})
-    with pytest.raises(ValueError, match="BUDGET must be >= 2"):
+    with pytest.raises(ValueError, match=r"BUDGET\) must be >= 2"):
         ProposerSettings.from_env({"SSSD_VLLM_DRAFTER": "a:1", "SSSD_VLLM_BUDGET": "1"})
+
+
+def test_settings_from_vllms_additional_config_override_the_environment():
+    def config(section):
+        return SimpleNamespace(additional_config={"sssd": section} if section is not None
+                               else {})
+
+    env = {"SSSD_VLLM_DRAFTER": "env:1", "SSSD_VLLM_BUDGET": "24"}
+    assert ProposerSettings.from_config(config(None), env) == ProposerSettings("env:1", 24)
+    assert ProposerSettings.from_config(config({"drafter": "cfg:2", "timeout_s": 1}), env) == \
+        ProposerSettings("cfg:2", 24, 1.0)
+    assert ProposerSettings.from_config(config({"drafter": "cfg:2"}), {}).drafter == "cfg:2"
+    with pytest.raises(ValueError, match="unknown field.*budgett.*known: drafter"):
+        ProposerSettings.from_config(config({"budgett": 3}), env)
+    with pytest.raises(ValueError, match=r'\["budget"\]=True: not a int'):
+        ProposerSettings.from_config(config({"budget": True}), env)
+    with pytest.raises(ValueError, match=r'\["drafter"\]=5: not a str'):
+        ProposerSettings.from_config(config({"drafter": 5}), env)
+    with pytest.raises(ValueError, match="must be a dict"):
+        ProposerSettings.from_config(config("a:1"), env)
+    with pytest.raises(ValueError, match=r'no drafter address: set additional_config\["sssd"\]'):
+        ProposerSettings.from_config(config({"budget": 8}), {})
