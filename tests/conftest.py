@@ -7,7 +7,7 @@ nothing (the fast tier, `pytest -m "not model"`, see pytest_collection_modifyite
 
 import pytest
 
-NUM_PROMPTS = 12  # MT-Bench first turns, mixed lengths; each costs a reference generate()
+NUM_PROMPTS = 8  # MT-Bench first turns, mixed lengths; each costs a reference generate()
 MAX_NEW_TOKENS = 64
 
 # Fixtures that load the model (weights or tokenizer); a test using any of them is marked

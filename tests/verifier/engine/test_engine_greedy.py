@@ -20,8 +20,8 @@ def measured_policy():
 # Batch 1 runs a prompt at a time, so fewer prompts cover it (CI time); every prompt of the
 # session's set runs in the batched cases, where requests of mixed lengths join and leave.
 @pytest.mark.parametrize("batch_size,datastore,policy,num_prompts", [
-    (1, "empty", "rule", 6), (1, "warm", "rule", 8), (4, "empty", "rule", 12),
-    (4, "warm", "measured", 12)])
+    (1, "empty", "rule", 4), (1, "warm", "rule", 6), (4, "empty", "rule", 8),
+    (4, "warm", "measured", 8)])
 def test_sssd_greedy_equals_generate(engine_factory, mt_bench_prompts, greedy_references,
                                      warm_datastore, batch_size, datastore, policy, num_prompts):
     engine, drafter = engine_factory(batch_size, warm_datastore if datastore == "warm" else None)
