@@ -15,8 +15,11 @@
 It prints where to connect, where the Ray dashboard and the Prometheus endpoints are, answers a
 check prompt through the API (cli/check.py: the first steps' budgets and accepted drafts, the
 speedup over speculation off measured side by side, and whether the outputs are identical, with
-an exact float32 check), and serves until Ctrl-C or SIGTERM (then drains). `--once` stops after the check; `--no-live`
-leaves out Redis and the indexer.
+an exact float32 check), and serves until Ctrl-C or SIGTERM (then drains). `--once` stops
+after the check; `--no-live` leaves out Redis and the indexer. While it runs, a child process
+that dies (Redis, the indexer, the drafter, the speculator) is started again with backoff
+(supervisor.py), and a Ray worker that dies is restarted by Ray while its requests go on with
+another worker (verifier/serving/ray_backend.py).
 
 Ray authentication is on (`--ray-auth token`, the default): Ray's own ports listen on every
 interface even on a loopback-only stack, so the cluster is closed with a token, RAY_AUTH_TOKEN
@@ -122,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     from sssd.cli.datastores import NoDatastore, pick_datastore
     from sssd.cli.processes import (start_drafter, start_indexer, start_speculator,
                                     stop_process)
+    from sssd.cli.supervisor import Supervisor
     from sssd.common.flags import from_args
     from sssd.common.ports import busy_ports
     from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
@@ -171,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     redis_server = indexer = drafter = speculator = frontend = None
     publish = None
+    # Restarts a child that dies while the stack runs (supervisor.py).
+    supervisor = Supervisor(report=lambda line: print(line, file=sys.stderr, flush=True))
     stopping = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stopping.set())
                 for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -185,26 +191,29 @@ def run(args: argparse.Namespace) -> int:
                 link_datastore(datastore, live)
             redis_url = args.redis_url
             if redis_url == "embedded":
-                redis_server = RedisServer(Path("var/redis"), port=args.redis_port).start()
+                redis_server = RedisServer(Path("var/redis"), port=args.redis_port)
+                supervisor.add("embedded Redis", lambda: redis_server.start().process)
                 redis_url = redis_server.url
-            indexer = start_indexer(live, redis_url, vocab, fingerprint, args.indexer_port,
-                                    args.indexer_metrics_port, args.build_tokens,
-                                    args.build_interval_s)
+            indexer = supervisor.add("indexer", lambda: start_indexer(
+                live, redis_url, vocab, fingerprint, args.indexer_port,
+                args.indexer_metrics_port, args.build_tokens, args.build_interval_s))
             publish = PublishConfig(redis_url, str(Path("var/live/spool").absolute()))
             print(f"[1/5] live datastore {live} (seeded from {datastore}); Redis {redis_url}; "
                   f"indexer pid {indexer.pid}, metrics "
                   f"http://127.0.0.1:{args.indexer_metrics_port}/metrics", flush=True)
             datastore = live
-        drafter = start_drafter(datastore, vocab, fingerprint, args.host, args.drafter_port)
+        drafter = supervisor.add("drafter service", lambda: start_drafter(
+            datastore, vocab, fingerprint, args.host, args.drafter_port))
         print(f"[2/5] drafter service on {args.host}:{args.drafter_port} (pid {drafter.pid})",
               flush=True)
         if args.speculator:
-            speculator = start_speculator(args.speculator_model or args.model,
-                                          args.speculator_draft_layers, args.host,
-                                          args.speculator_port, args.speculator_metrics_port)
+            speculator = supervisor.add("speculator", lambda: start_speculator(
+                args.speculator_model or args.model, args.speculator_draft_layers, args.host,
+                args.speculator_port, args.speculator_metrics_port))
             print(f"      speculator service on {speculator_target} (pid {speculator.pid}), "
                   f"metrics http://127.0.0.1:{args.speculator_metrics_port}/metrics",
                   flush=True)
+        supervisor.start()
         config = from_args(FrontendConfig, args, include=FRONTEND_FLAGS, publish=publish,
                            **frontend_values)
         frontend = start_frontend(config)
@@ -234,11 +243,12 @@ def run(args: argparse.Namespace) -> int:
                   f"{args.grace_s:.0f} s to finish)", flush=True)
             stopping.wait()
     finally:
+        supervisor.stop()  # from here on an exit is a stop, not a crash
         if frontend is not None:
             frontend.stop(args.grace_s if not args.once else 0)
-        stop_process(speculator)
-        stop_process(drafter)
-        stop_process(indexer)
+        for name in ("speculator", "drafter service", "indexer"):
+            if supervisor.has(name):
+                stop_process(supervisor.process(name))
         if redis_server is not None:
             redis_server.stop()
         for sig, handler in previous.items():

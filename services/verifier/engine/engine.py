@@ -87,9 +87,9 @@ class Engine:
         model cannot serve (the API boundary checks the same limits before)."""
         self.limits.check(request)
         if prefilled is not None:
-            if prefilled.num_tokens != len(request.prompt_ids):
+            if prefilled.num_tokens != len(request.context_ids):
                 raise ValueError(f"the prefilled KV holds {prefilled.num_tokens} tokens, the "
-                                 f"prompt has {len(request.prompt_ids)}")
+                                 f"prompt (and resumed answer) {len(request.context_ids)}")
             self.runner.check_prefilled(prefilled)
         if request.stop and self.detokenize is None:
             raise ValueError("stop strings need an engine built with a detokenize function")
@@ -99,6 +99,11 @@ class Engine:
             else secrets.randbits(64),
             detokenizer=IncrementalDetokenizer(self.detokenize) if self.detokenize else None,
             prefilled=prefilled)
+        if request.resume_ids:  # an answer another worker began: its output so far
+            sequence.output_ids.extend(request.resume_ids)
+            sequence.num_resumed = len(request.resume_ids)
+            if sequence.detokenizer is not None:
+                sequence.detokenizer.append(request.resume_ids)
         self.scheduler.add(sequence)
         return sequence
 
@@ -184,7 +189,7 @@ class Engine:
                 logits = self.runner.load_prefilled(slot, seq.prefilled)  # [vocab_size]
                 seq.prefilled = None  # the cache slot holds it now; free the transfer buffer
             else:
-                logits = self.runner.prefill(slot, seq.prompt_ids)  # [vocab_size]
+                logits = self.runner.prefill(slot, seq.request.context_ids)  # [vocab_size]
             token_ids = self._emit(seq, [self._sample_one(seq, logits)])
             rows[seq.request_id] = RowOutput(seq.request_id, token_ids, seq.text, 0, 1,
                                              is_verified=False)

@@ -69,11 +69,19 @@ class GenerateRequest:
     # The drafting source to use, one of SOURCES; "" (speculation "auto"): the server's choice,
     # by measured cost where it has several.
     source: str = ""
+    # Failover (serving/ray_backend.py): the answer's tokens a worker that died already
+    # streamed. The engine takes them as its output so far (prefilled with the prompt; they
+    # count towards max_tokens; sampling positions, the text and the published conversation
+    # go on from them) and streams only what follows. `resume_text_chars`: the characters of
+    # the answer's text the client already has.
+    resume_ids: tuple[int, ...] = ()
+    resume_text_chars: int = 0
 
     def __post_init__(self) -> None:
         # Accept any sequence of ints at construction, keep an immutable tuple.
         object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "resume_ids", tuple(self.resume_ids))
         if not self.prompt_ids:
             raise InvalidRequest("prompt: must hold at least one token")
         if any(isinstance(t, bool) or not isinstance(t, numbers.Integral)
@@ -89,6 +97,21 @@ class GenerateRequest:
         if self.source and self.source not in SOURCES:
             raise InvalidRequest(f"speculation: source {self.source!r} is not one of "
                                  f"{', '.join(SOURCES)} (or empty: the server's choice)")
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral)
+               for t in self.resume_ids):
+            raise InvalidRequest("resume: token ids must be integers")
+        if len(self.resume_ids) >= self.max_tokens:
+            raise InvalidRequest(f"resume: {len(self.resume_ids)} tokens already generated, "
+                                 f"max_tokens {self.max_tokens} leaves nothing to resume")
+        if (isinstance(self.resume_text_chars, bool)
+                or not isinstance(self.resume_text_chars, numbers.Integral)
+                or self.resume_text_chars < 0):
+            raise InvalidRequest("resume: text characters must be an integer >= 0")
+
+    @property
+    def context_ids(self) -> tuple[int, ...]:
+        """What the model reads before the next token: the prompt and any resumed answer."""
+        return self.prompt_ids + self.resume_ids if self.resume_ids else self.prompt_ids
 
 
 @dataclass(frozen=True)
@@ -116,6 +139,14 @@ class RequestLimits:
         if len(request.prompt_ids) > self.max_prompt_tokens:
             raise InvalidRequest(f"prompt: {len(request.prompt_ids)} tokens, the context window "
                                  f"allows at most {self.max_prompt_tokens}")
+        if request.resume_ids:
+            if min(request.resume_ids) < 0 or max(request.resume_ids) >= self.vocab_size:
+                raise InvalidRequest("resume: a token id is outside the vocabulary "
+                                     f"[0, {self.vocab_size})")
+            if len(request.context_ids) > self.max_prompt_tokens:
+                raise InvalidRequest(f"resume: prompt and answer hold "
+                                     f"{len(request.context_ids)} tokens, the context window "
+                                     f"allows at most {self.max_prompt_tokens}")
         if request.speculate and request.source and request.source not in self.sources:
             offered = ", ".join(self.sources) or "none: it decodes without speculation"
             raise InvalidRequest(f"speculation: this server has no {request.source!r} drafting "

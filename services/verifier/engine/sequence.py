@@ -22,6 +22,7 @@ class Sequence:
     seed: int = 0  # the request's randomness: sampling is a function of (seed, position)
     num_steps: int = 0  # verification steps it took part in
     num_accepted: int = 0  # draft tokens accepted over all steps
+    num_resumed: int = 0  # output tokens another worker generated (request.resume_ids)
     # The answer's text, when the engine detokenizes (stop strings, streaming servers).
     detokenizer: IncrementalDetokenizer | None = None
     stop_text_len: int | None = None  # the text is cut here: a stop string starts here

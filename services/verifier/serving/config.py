@@ -53,12 +53,23 @@ class RayConfig:
         None, "custom Ray resource each prefill worker needs (a node group that advertises it)")
     decode_resource: str | None = option(
         None, "custom Ray resource each decode worker needs (a node group that advertises it)")
+    # Failover: a worker that dies is restarted by Ray (reloading the model) while its
+    # requests go on elsewhere; see ray_backend.py.
+    max_worker_restarts: int = option(
+        10, "times Ray restarts a prefill or decode worker that died; -1: without limit")
+    max_failovers: int = option(
+        3, "times one request moves on to another worker after a worker died; then INTERNAL")
+    failover_wait_s: float = option(
+        120.0, "how long a request waits for a live worker when all of a kind are down")
     object_store_bytes: int = 1 << 30  # a local cluster's object store (holds KV in flight)
     metrics_report_interval_ms: int = 2000
 
     def __post_init__(self) -> None:
         if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
             raise ValueError("need at least one prefill worker and one decode worker")
+        if self.max_worker_restarts < -1 or self.max_failovers < 0 or self.failover_wait_s < 0:
+            raise ValueError("need max_worker_restarts >= -1, max_failovers >= 0 and "
+                             "failover_wait_s >= 0")
         if self.auth not in AUTH_MODES:
             raise ValueError(f"auth must be one of {AUTH_MODES}, got {self.auth!r}")
         if self.auth == "disabled" and self.address is None and not is_loopback(self.host):

@@ -124,7 +124,9 @@ class EngineLoop:
             raise Draining("the server is shutting down")
         handle = self.admission.admit(request, request_id)
         with self._cond:
-            self._inbox.append((_Stream(handle, request), prefilled))
+            # A resumed answer's text up to resume_text_chars is with the client already.
+            stream = _Stream(handle, request, sent_text=request.resume_text_chars)
+            self._inbox.append((stream, prefilled))
             self._cond.notify()
         return handle
 
@@ -251,9 +253,12 @@ class EngineLoop:
         totals = Totals(
             prompt_tokens=handle.num_prompt_tokens, completion_tokens=completion,
             time_to_first_token_s=first - handle.arrival, total_s=now - handle.arrival,
-            tokens_per_second=(completion - 1) / decode_s if completion > 1 and decode_s > 0
+            tokens_per_second=(completion - seq.num_resumed - 1) / decode_s
+            if completion > seq.num_resumed + 1 and decode_s > 0
             else 0.0,
-            mean_accepted_length=(completion - 1) / seq.num_steps if seq.num_steps else 0.0,
+            # Over this engine's steps: a resumed answer's first tokens came from elsewhere.
+            mean_accepted_length=(completion - seq.num_resumed - 1) / seq.num_steps
+            if seq.num_steps else 0.0,
             finish_reason=seq.finish_reason or "stop")
         handle.events.put(StreamEvent([], "", totals=totals))
         self.observer.on_finish(seq, totals, None)

@@ -12,18 +12,32 @@ place, zero-copy) and is copied once, into the decode worker's cache slot (ray_w
 
 `RayBackend` implements the `Backend` protocol (backend.py), so the gRPC frontend serves it
 like the single-process engine loop: the same `Admission` control, then each request goes to
-the least-loaded prefill and decode workers. Starting or joining the cluster: ray_auth.py.
+the least-loaded live prefill and decode workers. Starting or joining the cluster: ray_auth.py.
+
+Failover: Ray restarts a worker that dies (`RayConfig.max_worker_restarts`; it reloads the
+model). The requests it held do not fail: each goes on with another live worker, which is
+prefilled with the prompt and the tokens already streamed (`GenerateRequest.resume_ids`) and
+streams what follows, so the client sees no error and no missing or repeated token. Greedy
+answers are the same as without the fault; so are seeded sampled ones, whose randomness is a
+function of (seed, position), and a request without a seed gets one here, at admission. The
+dead worker is taken out of routing until its `ready` answers again (a background probe). A
+request moves at most `max_failovers` times; it waits up to `failover_wait_s` when every
+worker of a kind is down. Not covered: a worker that dies after its last token and before the
+end of the stream of a request ended by a stop string (it would be resumed past the stop
+string; ends by EOS or max_tokens are recognised).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass, replace
 
 from sssd.verifier.engine.config import EngineConfig
+from sssd.common.totals import Totals
 from sssd.verifier.engine.request import GenerateRequest, RequestLimits
 from sssd.verifier.serving.backend import Admission, RequestHandle, StreamEvent
 from sssd.verifier.serving.config import RayConfig
@@ -37,7 +51,26 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Slot:
     actor: object  # a Ray actor handle
+    name: str
     load: int = 0  # requests in flight
+    up: bool = True  # False from a failure until its `ready` answers again
+
+    @property
+    def actor_id(self) -> str:
+        return self.actor._actor_id.hex()
+
+
+class _WorkerLost(Exception):
+    """A worker died (or its result was lost) during one attempt at a request."""
+
+
+@dataclass
+class _Progress:
+    """What one request's client already has: the answer's tokens and text characters."""
+
+    token_ids: list
+    text_chars: int = 0
+    failovers: int = 0
 
 
 class RayBackend:
@@ -57,7 +90,11 @@ class RayBackend:
         self._workers: dict[str, _Slot] = {}  # request id -> its decode worker
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a worker came back up
+        self._closed = threading.Event()
+        self._eos_token_ids: frozenset[int] = frozenset()
         self._owns_ray = False
+        self.num_failovers = 0  # requests moved to another worker (all time)
 
     def start(self, timeout_s: float = 600.0) -> "RayBackend":
         """Starts or joins Ray, creates the workers and waits until each has loaded the model."""
@@ -69,7 +106,10 @@ class RayBackend:
         cfg = self.ray_config
         num_workers = cfg.num_prefill_workers + cfg.num_decode_workers
         threads = cfg.torch_threads or max(1, (os.cpu_count() or 1) // num_workers)
-        options = dict(num_cpus=cfg.cpus_per_worker)
+        # max_task_retries 0: a call to a dead worker fails at once and the request moves on
+        # (failover) instead of waiting for the restart.
+        options = dict(num_cpus=cfg.cpus_per_worker, max_restarts=cfg.max_worker_restarts,
+                       max_task_retries=0)
         prefill_cls = ray.remote(PrefillWorker).options(**options, resources=_pin(
             cfg.prefill_resource))
         # Threads: one per open stream, plus room for cancel and ready calls.
@@ -77,11 +117,11 @@ class RayBackend:
             max_concurrency=self.max_requests + 8, **options,
             resources=_pin(cfg.decode_resource))
         self._prefill = [_Slot(prefill_cls.remote(self.engine_config, f"prefill-{i}",
-                                                  threads))
+                                                  threads), f"prefill-{i}")
                          for i in range(cfg.num_prefill_workers)]
         self._decode = [_Slot(decode_cls.remote(self.engine_config, f"decode-{i}",
                                                 self.max_requests, threads,
-                                                publish=self.publish))
+                                                publish=self.publish), f"decode-{i}")
                         for i in range(cfg.num_decode_workers)]
         infos = ray.get([s.actor.ready.remote() for s in self._prefill + self._decode],
                         timeout=timeout_s)
@@ -93,6 +133,7 @@ class RayBackend:
         sources = infos[len(self._prefill)]["sources"]
         limits = RequestLimits.for_context(infos[0]["vocab_size"], self.engine_config.max_len,
                                            sources)
+        self._eos_token_ids = frozenset(infos[len(self._prefill)]["eos_token_ids"])
         self.admission = Admission(self.max_requests, limits)
         logger.info("Ray workers ready: %s", ", ".join(
             f"{i['name']} (pid {i['pid']}, {i['torch_threads']} torch threads)" for i in infos))
@@ -106,12 +147,11 @@ class RayBackend:
 
     def submit(self, request: GenerateRequest) -> RequestHandle:
         handle = self._started().admit(request)
-        with self._lock:
-            prefill = min(self._prefill, key=lambda s: s.load)
-            decode = min(self._decode, key=lambda s: s.load)
-            prefill.load += 1
-            decode.load += 1
-        threading.Thread(target=self._pump, args=(handle, request, prefill, decode),
+        if not request.sampling.is_greedy and request.sampling.seed is None:
+            # Fixed here, so that a request moved to another worker samples on identically.
+            request = replace(request, sampling=replace(request.sampling,
+                                                        seed=secrets.randbits(64)))
+        threading.Thread(target=self._pump, args=(handle, request),
                          name=f"pump-{handle.request_id}", daemon=True).start()
         return handle
 
@@ -140,6 +180,9 @@ class RayBackend:
         """Closes the decode workers' loops, ends the workers and a Ray cluster started here."""
         import ray
 
+        self._closed.set()
+        with self._changed:
+            self._changed.notify_all()
         if self._decode:
             try:
                 ray.get([s.actor.close.remote() for s in self._decode], timeout=timeout)
@@ -157,17 +200,107 @@ class RayBackend:
             raise RuntimeError("RayBackend.start() was not called")
         return self.admission
 
-    # --- one request ----------------------------------------------------------------------------
+    # --- routing and failover -------------------------------------------------------------------
 
-    def _pump(self, handle: RequestHandle, request: GenerateRequest, prefill: _Slot,
-              decode: _Slot) -> None:
-        """Prefill, handoff and decode of one request; its events go to handle.events."""
+    def _take(self, slots: list[_Slot], kind: str, request_id: str) -> _Slot:
+        """The least-loaded live worker of `slots` (its load counted); waits for one to come
+        back while all are down, up to failover_wait_s."""
+        deadline = time.monotonic() + self.ray_config.failover_wait_s
+        with self._changed:
+            while True:
+                live = [slot for slot in slots if slot.up]
+                if live:
+                    slot = min(live, key=lambda s: s.load)
+                    slot.load += 1
+                    return slot
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed.is_set() or request_id in self._cancelled:
+                    raise _WorkerLost(f"no live {kind} worker")
+                self._changed.wait(min(left, 1.0))
+
+    def _mark_down(self, slot: _Slot, reason: str) -> None:
+        """Takes a worker out of routing; a probe brings it back once `ready` answers."""
+        with self._lock:
+            if not slot.up:
+                return
+            slot.up = False
+        logger.warning("worker %s is down (%s); routing around it until it answers again",
+                       slot.name, reason)
+        threading.Thread(target=self._probe, args=(slot,), name=f"probe-{slot.name}",
+                         daemon=True).start()
+
+    def _probe(self, slot: _Slot) -> None:
         import ray
 
+        while not self._closed.is_set():
+            try:
+                ray.get(slot.actor.ready.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - restarting (model load) or gone: try again
+                self._closed.wait(1.0)
+                continue
+            with self._changed:
+                slot.up = True
+                self._changed.notify_all()
+            logger.info("worker %s is back", slot.name)
+            return
+
+    # --- one request ----------------------------------------------------------------------------
+
+    def _pump(self, handle: RequestHandle, request: GenerateRequest) -> None:
+        """Runs one request to its end, moving it to other workers when one dies; its events
+        go to handle.events."""
         request_id = handle.request_id
+        progress = _Progress([])
+        try:
+            while True:
+                try:
+                    self._attempt(handle, request, progress)
+                    return
+                except _WorkerLost as lost:
+                    if request_id in self._cancelled or self._closed.is_set():
+                        return
+                    if progress.failovers >= self.ray_config.max_failovers:
+                        raise RuntimeError(f"{lost} (moved {progress.failovers} times "
+                                           "already)") from None
+                    progress.failovers += 1
+                    with self._lock:
+                        self.num_failovers += 1
+                    logger.warning("request %s: %s after %d tokens; going on with another "
+                                   "worker", request_id, lost, len(progress.token_ids))
+                    if self._ended_before(handle, request, progress):
+                        return
+        except Exception as exc:  # noqa: BLE001 - out of failovers, or a bug: fail this request
+            logger.warning("request %s failed in a worker: %s", request_id, exc)
+            handle.events.put(StreamEvent([], "", error=StreamError(
+                ErrorKind.INTERNAL, f"worker failure: {exc}")))
+        finally:
+            self.admission.release(request_id)
+            with self._lock:
+                self._workers.pop(request_id, None)
+                self._cancelled.discard(request_id)
+            handle.done = True
+
+    def _attempt(self, handle: RequestHandle, request: GenerateRequest,
+                 progress: _Progress) -> None:
+        """One prefill + decode of the request, from what the client already has. Raises
+        _WorkerLost when a worker dies or its result is lost."""
+        import ray
+        from ray.exceptions import ObjectLostError, RayActorError
+
+        request_id = handle.request_id
+        if progress.token_ids:
+            request = replace(request, resume_ids=tuple(progress.token_ids),
+                              resume_text_chars=progress.text_chars)
+        prefill = self._take(self._prefill, "prefill", request_id)
+        try:
+            decode = self._take(self._decode, "decode", request_id)
+        except _WorkerLost:
+            with self._lock:
+                prefill.load -= 1
+            raise
         released_prefill = False
         try:
-            kv_ref = prefill.actor.prefill.remote(request.prompt_ids)
+            kv_ref = prefill.actor.prefill.remote(request.context_ids)
             with self._lock:
                 self._workers[request_id] = decode
                 cancelled = request_id in self._cancelled
@@ -184,29 +317,61 @@ class RayBackend:
                 if event.token_ids and handle.first_token_at is None:
                     handle.first_token_at = now
                 if event.totals is not None:  # timed here: includes the transfers
-                    first = handle.first_token_at or now
-                    event = replace(event, totals=replace(
-                        event.totals, time_to_first_token_s=first - handle.arrival,
-                        total_s=now - handle.arrival))
+                    event = replace(event, totals=self._timed(handle, event.totals, now))
+                progress.token_ids.extend(event.token_ids)
+                progress.text_chars += len(event.text)
                 handle.events.put(event)
                 if event.totals is not None or event.error is not None:
                     return
             if request_id not in self._cancelled:
                 handle.events.put(StreamEvent([], "", error=StreamError(
                     ErrorKind.INTERNAL, "the decode worker ended the stream without a result")))
-        except Exception as exc:  # noqa: BLE001 - a worker died or failed: fail this request
-            logger.warning("request %s failed in a worker: %s", request_id, exc)
-            handle.events.put(StreamEvent([], "", error=StreamError(
-                ErrorKind.INTERNAL, f"worker failure: {exc}")))
+        except RayActorError as exc:
+            # Which worker: the error names its actor; a failed argument (the prefill's
+            # result) surfaces through the decode call, so an unnamed one takes both out.
+            dead = [slot for slot in (prefill, decode) if slot.actor_id == exc.actor_id] \
+                or [prefill, decode]
+            for slot in dead:
+                self._mark_down(slot, type(exc).__name__)
+            raise _WorkerLost(" and ".join(f"worker {slot.name} died" for slot in dead)) \
+                from None
+        except ObjectLostError as exc:
+            raise _WorkerLost(f"the prefilled KV was lost ({type(exc).__name__})") from None
         finally:
-            self.admission.release(request_id)
             with self._lock:
-                self._workers.pop(request_id, None)
-                self._cancelled.discard(request_id)
                 decode.load -= 1
                 if not released_prefill:
                     prefill.load -= 1
-            handle.done = True
+
+    def _ended_before(self, handle: RequestHandle, request: GenerateRequest,
+                      progress: _Progress) -> bool:
+        """A worker that died after the answer's last token and before its end: ends the
+        stream here (EOS or max_tokens reached) and returns True; else False."""
+        tokens = progress.token_ids
+        if not tokens:
+            return False
+        if len(tokens) >= request.max_tokens:
+            reason = "length"
+        elif tokens[-1] in self._eos_token_ids:
+            reason = "stop"
+        else:
+            return False
+        totals = Totals(prompt_tokens=handle.num_prompt_tokens, completion_tokens=len(tokens),
+                        time_to_first_token_s=0.0, total_s=0.0, tokens_per_second=0.0,
+                        mean_accepted_length=0.0, finish_reason=reason)
+        handle.events.put(StreamEvent([], "", totals=self._timed(handle, totals,
+                                                                 time.perf_counter())))
+        return True
+
+    @staticmethod
+    def _timed(handle: RequestHandle, totals: Totals, now: float) -> Totals:
+        """The request's times as the client sees them (transfers and failovers included)."""
+        first = handle.first_token_at or now
+        decode_s = now - first
+        return replace(totals, time_to_first_token_s=first - handle.arrival,
+                       total_s=now - handle.arrival,
+                       tokens_per_second=(totals.completion_tokens - 1) / decode_s
+                       if totals.completion_tokens > 1 and decode_s > 0 else 0.0)
 
 
 def _pin(resource: str | None) -> dict[str, float]:

@@ -90,7 +90,8 @@ class DecodeWorker(_ModelWorker):
         self._lock = threading.Lock()
 
     def ready(self) -> dict:
-        return {**super().ready(), "sources": self.loop.limits.sources}
+        return {**super().ready(), "sources": self.loop.limits.sources,
+                "eos_token_ids": tuple(self.loaded.eos_token_ids)}
 
     def generate(self, request_id: str, request: GenerateRequest,
                  prefilled: PrefilledPrompt) -> Iterator[StreamEvent]:

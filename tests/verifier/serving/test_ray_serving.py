@@ -1,17 +1,20 @@
 """Prefill/decode disaggregation on a real local Ray cluster behind the real gRPC API.
 
 One module-scoped stack: a drafter gRPC service (in this process) on 127.0.0.1, a local Ray
-cluster on 127.0.0.1 with token authentication (the default), one prefill and one decode worker
-(float32, so outputs compare exactly with the greedy references), and the gRPC frontend.
+cluster on 127.0.0.1 with token authentication (the default), one prefill and two decode
+workers (float32, so outputs compare exactly with the greedy references), and the gRPC
+frontend. The last test kills workers.
 """
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -75,7 +78,7 @@ def stack(drafter_service, free_port, redis_server, tmp_path_factory):
     engine = EngineConfig(dtype="float32", mode="sssd", max_batch_size=4, max_len=1024,
                           drafter_target=f"127.0.0.1:{drafter_service.config.port}",
                           drafter_timeout_s=1.0)
-    ray_config = RayConfig(num_prefill_workers=1, num_decode_workers=1, auth="token",
+    ray_config = RayConfig(num_prefill_workers=1, num_decode_workers=2, auth="token",
                            dashboard_port=0, metrics_port=metrics_port, num_cpus=2,
                            cpus_per_worker=0.5, object_store_bytes=256 << 20,
                            metrics_report_interval_ms=500)
@@ -95,6 +98,11 @@ def client(stack):
 
 def token_ids(chunks):
     return [t for chunk in chunks for t in chunk.token_ids]
+
+
+def decode_requests(stack):
+    """Requests held by the decode workers, all of them."""
+    return sum(ray.get([slot.actor.num_requests.remote() for slot in stack.backend._decode]))
 
 
 def test_prefill_decode_output_equals_single_worker(client, engine_factory, mt_bench_prompts,
@@ -140,10 +148,9 @@ def test_cancel_frees_the_sequence_in_the_decode_worker(client, stack, mt_bench_
                                                         wait_until):
     stream = client.stream(mt_bench_prompts[1], max_tokens=400)
     next(stream)
-    decode = stack.backend._decode[0].actor
-    assert ray.get(decode.num_requests.remote()) == 1
+    assert decode_requests(stack) == 1
     stream.close()
-    assert wait_until(lambda: ray.get(decode.num_requests.remote()) == 0)
+    assert wait_until(lambda: decode_requests(stack) == 0)
     assert wait_until(lambda: stack.backend.num_requests == 0)
 
 
@@ -153,8 +160,7 @@ def test_deadline_ends_the_request(stack, mt_bench_prompts, wait_until):
         with pytest.raises(grpc.RpcError) as error:
             short.generate(mt_bench_prompts[2], max_tokens=600)
     assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    decode = stack.backend._decode[0].actor
-    assert wait_until(lambda: ray.get(decode.num_requests.remote()) == 0)
+    assert wait_until(lambda: decode_requests(stack) == 0)
 
 
 def test_bad_input_is_invalid_argument(client, stack):
@@ -262,15 +268,84 @@ def test_auth_disabled_only_on_loopback():
     assert RayConfig(auth="disabled", host="127.0.0.1").auth == "disabled"
 
 
-def test_a_dead_decode_worker_fails_its_request_instead_of_hanging(client, stack,
-                                                                   mt_bench_prompts, wait_until):
-    """Last in this module: it kills the decode worker."""
+def kill_worker_of(stack, kind="decode"):
+    """SIGKILLs the process of the (only) decode worker holding a request, or the prefill
+    worker, as a crash would; returns its slot."""
+    backend = stack.backend
+    if kind == "decode":
+        (slot,) = list(backend._workers.values())
+    else:
+        (slot,) = backend._prefill
+    pid = ray.get(slot.actor.ready.remote())["pid"]
+    os.kill(pid, signal.SIGKILL)
+    return slot
+
+
+def stream_with_a_kill(client, stack, prompt, kind="decode", after_tokens=8, **options):
+    """Streams an answer; once `after_tokens` arrived, kills the decode worker serving it."""
+    chunks, killed = [], None
+    for chunk in client.stream(prompt, max_tokens=MAX_TOKENS, **options):
+        chunks.append(chunk)
+        if killed is None and len(token_ids(chunks)) >= after_tokens:
+            killed = kill_worker_of(stack, kind)
+    assert killed is not None, "the answer ended before the kill"
+    return chunks, killed
+
+
+def test_workers_killed_mid_answer_change_nothing_for_the_client(
+        client, stack, mt_bench_prompts, greedy_references, target_model_fp32, redis_server,
+        wait_until):
+    """Last in this module: it kills workers (Ray restarts them)."""
+    import redis
+
+    backend = stack.backend
+    tokenizer = target_model_fp32.tokenizer
+    published = redis.Redis.from_url(redis_server.url)
+    failovers, conversations = backend.num_failovers, published.xlen("test:ray")
+
+    # A decode worker dies mid-answer: the other one goes on from the tokens streamed.
+    chunks, killed = stream_with_a_kill(client, stack, mt_bench_prompts[1])
+    reference = greedy_references[1][:MAX_TOKENS]
+    assert token_ids(chunks) == reference  # nothing missing, nothing repeated
+    assert "".join(c.text for c in chunks) == tokenizer.decode(reference,
+                                                               skip_special_tokens=True)
+    totals = chunks[-1].totals
+    assert totals.completion_tokens == MAX_TOKENS and totals.finish_reason == "length"
+    assert backend.num_failovers == failovers + 1
+    assert not killed.up  # out of routing until Ray has restarted it
+
+    # Seeded sampling goes on identically: randomness keyed by (seed, position).
+    sampled = dict(temperature=0.9, top_p=0.95, seed=1234)
+    expected = client.generate(mt_bench_prompts[2], max_tokens=MAX_TOKENS, **sampled)
+    chunks, _ = stream_with_a_kill(client, stack, mt_bench_prompts[2], **sampled)
+    assert token_ids(chunks) == expected.token_ids
+    assert "".join(c.text for c in chunks) == expected.text
+
+    # Both restarted workers come back into routing; then the prefill worker dies (the only
+    # one): the next request waits for its restart and is prefilled there.
+    assert wait_until(lambda: all(slot.up for slot in backend._decode), timeout=120)
+    kill_worker_of(stack, "prefill")
+    answer = client.generate(mt_bench_prompts[3], max_tokens=16)
+    assert answer.token_ids == greedy_references[3][:16]
+    assert backend.num_failovers >= failovers + 3
+    assert wait_until(lambda: all(slot.up for slot in backend._prefill), timeout=120)
+    # Every conversation reached the live datastore's stream once: 4 requests, 4 entries.
+    assert wait_until(lambda: published.xlen("test:ray") == conversations + 4, timeout=30)
+    assert wait_until(lambda: backend.num_requests == 0)
+
+
+def test_a_request_out_of_failovers_fails_with_internal(client, stack, mt_bench_prompts,
+                                                        monkeypatch, wait_until):
+    """With no failover allowed, a dead decode worker fails its request (no hang)."""
+    monkeypatch.setattr(stack.backend, "ray_config",
+                        replace(stack.backend.ray_config, max_failovers=0))
+    assert wait_until(lambda: all(slot.up for slot in stack.backend._decode), timeout=120)
     stream = client.stream(mt_bench_prompts[1], max_tokens=400)
     next(stream)
-    ray.kill(stack.backend._decode[0].actor)
+    kill_worker_of(stack)
     with pytest.raises(grpc.RpcError) as error:
         for _ in stream:
             pass
     assert error.value.code() == grpc.StatusCode.INTERNAL
-    assert "worker failure" in error.value.details()
+    assert "worker failure" in error.value.details() and "died" in error.value.details()
     assert wait_until(lambda: stack.backend.num_requests == 0)
