@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from sssd.common.targets import address
 from sssd.v1 import generate_pb2, generate_pb2_grpc
 from sssd.verifier.engine.request import GenerateRequest, InvalidRequest, SamplingParams
 from sssd.verifier.serving.backend import Backend, StreamEvent
@@ -228,7 +229,8 @@ def start_frontend(config: FrontendConfig) -> Frontend:
 def serve(config: FrontendConfig) -> None:
     """Serves until SIGTERM or SIGINT, then drains for config.grace_s seconds."""
     frontend = start_frontend(config)
-    logger.info("generation API on %s:%d (loading the model)", config.host, frontend.port)
+    logger.info("generation API listening on %s (loading the model)",
+                address(config.host, frontend.port))
     stopping = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stopping.set())
                 for sig in (signal.SIGTERM, signal.SIGINT)}
