@@ -217,21 +217,25 @@ def fake_proposer():
 
 @pytest.fixture
 def spawn_service():
-    """spawn(args) -> (process, port): starts a service command that logs "listening on
-    127.0.0.1:PORT" (INFO) with stderr piped, and returns once it has. Every process spawned
-    is killed at teardown, if still running."""
+    """spawn(args, drain=False) -> (process, port): starts a service command that logs
+    "listening on 127.0.0.1:PORT" (INFO) with stderr piped, and returns once it has. `drain`:
+    a thread reads the rest of stderr (so a chatty process never blocks on a full pipe), else
+    the caller may read it. Every process spawned is killed at teardown, if still running."""
     import os
     import re
     import subprocess
+    import threading
 
     processes = []
 
-    def spawn(args):
+    def spawn(args, drain=False):
         process = subprocess.Popen(args, stderr=subprocess.PIPE, text=True,
                                    env={**os.environ, "SSSD_LOG_LEVEL": "INFO"})
         processes.append(process)
         for line in process.stderr:
             if match := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
+                if drain:
+                    threading.Thread(target=process.stderr.read, daemon=True).start()
                 return process, int(match.group(1))
         raise AssertionError(f"{' '.join(args[:3])} exited with {process.wait()} before it "
                              "reported its port")
