@@ -23,7 +23,8 @@ One JSON line per run: tokens/s, speedup over the same engine without speculatio
 accepted tokens, acceptance length (vLLM: 1 + accepted / drafts, over the steps that had a
 draft; the engine: tokens per sequence per step over all steps), identical outputs. A mode that
 cannot run here is a line with "skipped" and the reason (suffix needs the arctic-inference
-package, which has no CPU build). The PNG (speedup and acceptance length per mode) is written
+package: PyPI has only its sdist for this platform, which `scripts/setup_vllm.sh --with-suffix`
+builds; its suffix tree is plain C++). The PNG (speedup and acceptance length per mode) is written
 beside --out when matplotlib is importable, else the command to draw it is printed.
 """
 
@@ -176,8 +177,8 @@ def skipped_reason(mode: str) -> str | None:
         try:
             import arctic_inference  # noqa: F401
         except ImportError:
-            return ("vLLM's suffix method needs the arctic-inference package, which has no "
-                    "CPU build on PyPI (its wheels are CUDA-only)")
+            return ("vLLM's suffix method needs the arctic-inference package: "
+                    "bash scripts/setup_vllm.sh --with-suffix builds it from its sdist")
     return None
 
 

