@@ -259,6 +259,8 @@ class RayBackend:
                 except _WorkerLost as lost:
                     if request_id in self._cancelled or self._closed.is_set():
                         return
+                    if self._ended_before(handle, request, progress):
+                        return  # nothing left to generate: no failover needed
                     if progress.failovers >= self.ray_config.max_failovers:
                         raise RuntimeError(f"{lost} (moved {progress.failovers} times "
                                            "already)") from None
@@ -267,8 +269,6 @@ class RayBackend:
                         self.num_failovers += 1
                     logger.warning("request %s: %s after %d tokens; going on with another "
                                    "worker", request_id, lost, len(progress.token_ids))
-                    if self._ended_before(handle, request, progress):
-                        return
         except Exception as exc:  # noqa: BLE001 - out of failovers, or a bug: fail this request
             logger.warning("request %s failed in a worker: %s", request_id, exc)
             handle.events.put(StreamEvent([], "", error=StreamError(
