@@ -101,7 +101,6 @@ class Engine:
             prefilled=prefilled)
         if request.resume_ids:  # an answer another worker began: its output so far
             sequence.output_ids.extend(request.resume_ids)
-            sequence.num_resumed = len(request.resume_ids)
             if sequence.detokenizer is not None:
                 sequence.detokenizer.append(request.resume_ids)
         self.scheduler.add(sequence)

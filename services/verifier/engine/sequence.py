@@ -22,7 +22,6 @@ class Sequence:
     seed: int = 0  # the request's randomness: sampling is a function of (seed, position)
     num_steps: int = 0  # verification steps it took part in
     num_accepted: int = 0  # draft tokens accepted over all steps
-    num_resumed: int = 0  # output tokens another worker generated (request.resume_ids)
     # The answer's text, when the engine detokenizes (stop strings, streaming servers).
     detokenizer: IncrementalDetokenizer | None = None
     stop_text_len: int | None = None  # the text is cut here: a stop string starts here
@@ -32,6 +31,11 @@ class Sequence:
     @property
     def prompt_ids(self) -> tuple[int, ...]:
         return self.request.prompt_ids
+
+    @property
+    def num_resumed(self) -> int:
+        """Output tokens another worker generated (request.resume_ids; failover)."""
+        return len(self.request.resume_ids)
 
     @property
     def num_tokens(self) -> int:
