@@ -50,6 +50,39 @@ def _parser_type(annotation: object) -> type:
     return str
 
 
+def field_kind(f: dataclasses.Field) -> type:
+    """The Python type a field's values have: bool, float, int or str."""
+    return _parser_type(f.type)
+
+
+def env_value(f: dataclasses.Field, env_prefix: str,
+              environ: Mapping[str, str] | None = None) -> tuple[bool, Any]:
+    """(True, value) when PREFIX_FIELD_NAME is set in `environ` (default os.environ), parsed
+    by the field's type (bool: 1/true/yes); else (False, None). Raises ValueError naming the
+    variable for a value that does not parse."""
+    environ = os.environ if environ is None else environ
+    env_name = env_prefix + f.name.upper()
+    if env_name not in environ:
+        return False, None
+    raw, kind = environ[env_name], field_kind(f)
+    try:
+        return True, raw.lower() in ("1", "true", "yes") if kind is bool else kind(raw)
+    except ValueError:
+        raise ValueError(f"environment {env_name}={raw!r}: not a valid "
+                         f"{kind.__name__}") from None
+
+
+def env_values(cls: type, env_prefix: str,
+               environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """{field name: value} of the `option` fields of `cls` set in the environment."""
+    values = {}
+    for f in flag_fields(cls):
+        present, value = env_value(f, env_prefix, environ)
+        if present:
+            values[f.name] = value
+    return values
+
+
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
               defaults: Mapping[str, Any] | None = None, env_prefix: str | None = None,
               include: Collection[str] | None = None, exclude: Collection[str] = ()) -> None:
@@ -58,20 +91,15 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
     overrides those, and a flag on the command line overrides everything."""
     defaults = dict(defaults or {})
     for f in flag_fields(cls, include, exclude):
-        kind = _parser_type(f.type)
+        kind = field_kind(f)
         default = defaults.get(f.name, f.default)
         names = [f.metadata["flag"] or "--" + f.name.replace("_", "-"), *f.metadata["aliases"]]
         env_help = ""
         if env_prefix is not None:
-            env_name = env_prefix + f.name.upper()
-            env_help = f"; env {env_name}"
-            if env_name in os.environ:
-                raw = os.environ[env_name]
-                try:
-                    default = raw.lower() in ("1", "true", "yes") if kind is bool else kind(raw)
-                except ValueError:
-                    raise ValueError(f"environment {env_name}={raw!r}: not a valid "
-                                     f"{kind.__name__}") from None
+            env_help = f"; env {env_prefix + f.name.upper()}"
+            present, value = env_value(f, env_prefix)
+            if present:
+                default = value
         help_text = f"{f.metadata['help']} (default {default}{env_help})"
         if kind is bool:
             parser.add_argument(*names, dest=f.name, default=default, help=help_text,

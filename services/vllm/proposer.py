@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ import numpy as np
 
 from sssd.common.draft_tree import DraftTree
 from sssd.common.drafting import DraftRequest, Proposer, SequenceNotFound
+from sssd.common.flags import env_values, field_kind, flag_fields, option
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +52,17 @@ class ProposerSettings:
     """Read from vLLM's additional_config["sssd"] ({"drafter": ..., "budget": ...}) and from the
     environment of vLLM's workers (SSSD_VLLM_<FIELD>); the config's values win."""
 
-    drafter: str  # the drafter service: host:port, h1:p1,h2:p2,... or dns:///NAME:PORT
-    budget: int = 16  # draft-tree nodes asked per sequence (root included)
-    timeout_s: float = 0.2  # past this a step goes without drafts
-    check_tokenizer: bool = True  # refuse a drafter whose datastore has another tokenizer
-    # Draft only tokens whose path score (the drafter's estimate of the chance that the draft up
-    # to them is accepted) is at least this: vLLM verifies a linear draft whole, so a token
-    # unlikely to be accepted costs verification work for nothing. 0.2 measured best on
-    # mt_bench at b = 1 (vLLM CPU, SmolLM2-135M: 1.40x over no speculation against 0.91x at 0
-    # and 1.11x at 0.4; bench/vllm_peers.py --min-score).
-    min_score: float = 0.2
+    drafter: str = option("", "the drafter service: host:port, h1:p1,h2:p2,... or "
+                          "dns:///NAME:PORT (required)")
+    budget: int = option(16, "draft-tree nodes asked per sequence (root included)")
+    timeout_s: float = option(0.2, "past this a step goes without drafts")
+    check_tokenizer: bool = option(True, "refuse a drafter whose datastore has another "
+                                   "tokenizer")
+    # vLLM verifies a linear draft whole, so a token unlikely to be accepted costs verification
+    # work for nothing. 0.2 measured best on mt_bench at b = 1 (vLLM CPU, SmolLM2-135M: 1.40x
+    # over no speculation against 0.91x at 0 and 1.11x at 0.4; bench/vllm_peers.py --min-score).
+    min_score: float = option(0.2, "draft only tokens whose path score (the drafter's estimate "
+                              "of their chance of acceptance) is at least this")
 
     def __post_init__(self) -> None:
         if not self.drafter:
@@ -81,7 +82,7 @@ class ProposerSettings:
     def from_config(cls, vllm_config: Any,
                     environ: dict[str, str] | None = None) -> "ProposerSettings":
         """The environment's settings, overridden by additional_config["sssd"] where present."""
-        values = _env_values(os.environ if environ is None else environ)
+        values = env_values(cls, ENV_PREFIX, environ)
         extra = getattr(vllm_config, "additional_config", None)
         section = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
         if section is None:
@@ -89,12 +90,13 @@ class ProposerSettings:
         where = f'additional_config["{CONFIG_KEY}"]'
         if not isinstance(section, dict):
             raise ValueError(f"{where} must be a dict, got {type(section).__name__}")
-        unknown = sorted(set(section) - set(_KINDS))
+        kinds = {f.name: field_kind(f) for f in flag_fields(cls)}
+        unknown = sorted(set(section) - set(kinds))
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(_KINDS)}")
+                             f"{', '.join(kinds)}")
         for name, value in section.items():
-            kind = _KINDS[name]
+            kind = kinds[name]
             exact = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
             widened = kind is float and isinstance(value, int) and not isinstance(value, bool)
             if not (exact or widened):
@@ -103,28 +105,7 @@ class ProposerSettings:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "ProposerSettings":
-        return cls(**_env_values(os.environ if environ is None else environ))
-
-
-_KINDS = {"drafter": str, "budget": int, "timeout_s": float, "check_tokenizer": bool,
-          "min_score": float}
-
-
-def _env_values(env: Any) -> dict[str, Any]:
-    """The ProposerSettings fields set by SSSD_VLLM_<FIELD> variables (drafter always)."""
-    values: dict[str, Any] = {"drafter": env.get(ENV_PREFIX + "DRAFTER", "")}
-    for name, kind in (("budget", int), ("timeout_s", float), ("min_score", float)):
-        raw = env.get(ENV_PREFIX + name.upper())
-        if raw is not None:
-            try:
-                values[name] = kind(raw)
-            except ValueError:
-                raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r}: not a valid "
-                                 f"{kind.__name__}") from None
-    if ENV_PREFIX + "CHECK_TOKENIZER" in env:
-        values["check_tokenizer"] = env[ENV_PREFIX + "CHECK_TOKENIZER"].lower() in (
-            "1", "true", "yes")
-    return values
+        return cls(**env_values(cls, ENV_PREFIX, environ))
 
 
 @dataclass
