@@ -1,9 +1,11 @@
 """Publishing completed conversations to the Redis stream without ever slowing a request.
 
 `ConversationPublisher.publish` only puts the conversation on an in-memory queue (a full queue
-goes to the disk spool instead) and returns. A background thread XADDs with approximate MAXLEN
-trimming. While Redis is unreachable, conversations go to a bounded spool directory on disk (one
-small file each, written to a temporary name and renamed, so a crash never leaves half a file);
+goes to the disk spool instead) and returns. A background thread XADDs. It never trims the
+stream: the indexer trims what it has indexed, so a lagging indexer never loses a conversation;
+when the stream grows past `alert_len` entries the publisher logs an alert (and counts it).
+While Redis is unreachable, conversations go to a bounded spool directory on disk (one small
+file each, written to a temporary name and renamed, so a crash never leaves half a file);
 once Redis answers again the spool is sent first, oldest first. When the spool is full the
 oldest files are dropped and counted (`stats.dropped`). A spool left by a previous process is
 sent by the next one that starts on the same directory.
@@ -21,8 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sssd.indexer.conversations import STREAM, Conversation
+from sssd.indexer.redis_server import connect
 
 logger = logging.getLogger(__name__)
+
+LENGTH_CHECK_S = 10.0  # how often the stream's length is compared with alert_len
 
 
 @dataclass(frozen=True)
@@ -32,7 +37,7 @@ class PublishConfig:
     redis_url: str
     spool_dir: str  # per worker: a subdirectory named after the worker is used
     stream: str = STREAM
-    maxlen: int = 1_000_000  # approximate trimming of the stream
+    alert_len: int = 1_000_000  # a stream longer than this: the indexer lags, alert
     spool_max_entries: int = 100_000
 
 
@@ -41,6 +46,7 @@ class PublisherStats:
     published: int = 0  # entries added to the stream
     spooled: int = 0  # conversations written to the spool
     dropped: int = 0  # spooled conversations dropped because the spool was full
+    backlog_alerts: int = 0  # times the stream was found longer than alert_len
     redis_errors: int = 0
 
 
@@ -92,14 +98,12 @@ class Spool:
 
 class ConversationPublisher:
     def __init__(self, redis_url: str, spool_dir: str | os.PathLike, stream: str = STREAM,
-                 maxlen: int = 1_000_000, spool_max_entries: int = 100_000,
+                 alert_len: int = 1_000_000, spool_max_entries: int = 100_000,
                  queue_size: int = 10_000, retry_s: float = 0.5) -> None:
-        import redis
-
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=2.0,
-                                           socket_connect_timeout=1.0)
+        self.client = connect(redis_url, socket_timeout=2.0, socket_connect_timeout=1.0)
         self.stream = stream
-        self.maxlen = maxlen
+        self.alert_len = alert_len
+        self._length_checked = 0.0
         self.spool = Spool(spool_dir, spool_max_entries)
         self.retry_s = retry_s
         self.stats = PublisherStats()
@@ -151,9 +155,17 @@ class ConversationPublisher:
             logger.warning("conversation spool full: dropped the %d oldest", dropped)
 
     def _add(self, conversation: Conversation) -> None:
-        self.client.xadd(self.stream, conversation.to_fields(), maxlen=self.maxlen,
-                         approximate=True)
+        self.client.xadd(self.stream, conversation.to_fields())
         self.stats.published += 1
+        now = time.monotonic()
+        if now - self._length_checked >= LENGTH_CHECK_S:
+            self._length_checked = now
+            length = self.client.xlen(self.stream)
+            if length > self.alert_len:
+                self.stats.backlog_alerts += 1
+                logger.warning("ALERT: stream %s holds %d entries (alert at %d): the indexer is "
+                               "behind or down; nothing is trimmed until it has indexed them",
+                               self.stream, length, self.alert_len)
 
     def _run(self) -> None:
         import redis

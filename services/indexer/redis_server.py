@@ -4,16 +4,69 @@
 127.0.0.1 with its data in a directory (append-only file, fsync every second), so it can be
 stopped and started again with its streams intact. Production points every service at an
 external Redis with a URL instead (`redis://host:6379/0`).
+
+Passwords come from configuration, never from a command line (where `ps` shows them to every
+user): `SSSD_REDIS_PASSWORD_FILE` names a file holding it (or `SSSD_REDIS_PASSWORD` holds it),
+and `connect` adds it to every URL without one. The embedded server reads its `requirepass`
+from a 0600 config file in its data directory.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import subprocess
 import time
 from pathlib import Path
+
+PASSWORD_FILE_ENV = "SSSD_REDIS_PASSWORD_FILE"
+PASSWORD_ENV = "SSSD_REDIS_PASSWORD"
+
+
+def configured_password() -> str | None:
+    """The Redis password of this deployment: the file SSSD_REDIS_PASSWORD_FILE names, else
+    SSSD_REDIS_PASSWORD, else None. A named file that cannot be read is an error."""
+    path = os.environ.get(PASSWORD_FILE_ENV)
+    if path:
+        try:
+            password = Path(path).read_text().strip()
+        except OSError as exc:
+            raise RuntimeError(f"{PASSWORD_FILE_ENV}={path}: {exc.strerror or exc}") from exc
+        if not password:
+            raise RuntimeError(f"{PASSWORD_FILE_ENV}={path}: the file is empty")
+        return password
+    return os.environ.get(PASSWORD_ENV) or None
+
+
+def use_password_file(path: str | os.PathLike | None) -> str | None:
+    """Makes `path` (when given) this process's and its children's password file; returns
+    the configured password (RuntimeError when the file cannot be read)."""
+    if path:
+        os.environ[PASSWORD_FILE_ENV] = str(Path(path).resolve())
+    return configured_password()
+
+
+def connect(url: str, **options):
+    """redis.Redis for `url`, with the configured password when the URL carries none."""
+    import redis
+
+    password = configured_password()
+    if password is not None:
+        options.setdefault("password", password)  # a password in the URL still wins
+    return redis.Redis.from_url(url, **options)
+
+
+def ensure_password_file(path: str | os.PathLike) -> Path:
+    """A password file at `path` (0600), made with a random password if it does not exist."""
+    path = Path(path)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(24) + "\n")
+    return path
 
 
 def redis_server_binary() -> str:
@@ -38,10 +91,12 @@ class RedisServer:
     """redis-server on host:port, data in `directory`; `start`, `stop`, `url`."""
 
     def __init__(self, directory: str | os.PathLike, port: int = 0,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", password: str | None = None) -> None:
+        """`password`: required of every client (requirepass), passed in a 0600 file."""
         self.directory = Path(directory).absolute()  # redis-server changes into it
         self.host = host
         self.port = port or free_port(host)
+        self.password = password
         self.process: subprocess.Popen | None = None
 
     @property
@@ -52,7 +107,15 @@ class RedisServer:
         import redis
 
         self.directory.mkdir(parents=True, exist_ok=True)
-        command = [redis_server_binary(), "--bind", self.host, "--port", str(self.port),
+        command = [redis_server_binary()]
+        if self.password is not None:
+            config = self.directory / "auth.conf"
+            config.unlink(missing_ok=True)
+            fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f'requirepass "{self.password}"\n')
+            command.append(str(config))  # the config file first, then the options
+        command += ["--bind", self.host, "--port", str(self.port),
                    "--dir", str(self.directory), "--appendonly", "yes",
                    "--appendfsync", "everysec", "--save", "", "--protected-mode", "yes",
                    "--daemonize", "no", "--logfile", str(self.directory / "redis.log")]
@@ -60,7 +123,7 @@ class RedisServer:
         # publishers flush; the parent stops it (stop()) when they are done.
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL, start_new_session=True)
-        client = redis.Redis.from_url(self.url, socket_timeout=1.0)
+        client = redis.Redis.from_url(self.url, socket_timeout=1.0, password=self.password)
         deadline = time.monotonic() + timeout_s
         while True:
             if self.process.poll() is not None:

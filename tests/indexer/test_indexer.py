@@ -17,6 +17,8 @@ from sssd.datastore.manifest import read_manifest
 from sssd.drafter.config import DrafterConfig
 from sssd.drafter.drafter import Drafter
 from sssd.indexer.conversations import Conversation
+from sssd.datastore.shard import read_meta
+from sssd.indexer.compaction import keep_newest, plan_merge, tier
 from sssd.indexer.indexer import Indexer, IndexerConfig, SimulatedCrash
 from sssd.indexer.producer import ConversationPublisher
 from sssd.indexer.redis_server import RedisServer
@@ -81,41 +83,152 @@ def test_published_conversations_land_in_a_shard_once(tmp_path, redis_server, na
     assert publisher.flush(10)
     publisher.close()
     indexer = Indexer(config)
+    last_id = indexer.client.xrevrange(config.stream, count=1)[0][0].decode()
     expected = [c.document for c in items]
     assert poll_until(indexer, lambda: indexer.stats.entries_indexed == 20)
     assert read_documents(config.datastore_dir) == expected
     manifest = read_manifest(config.datastore_dir)
-    last_id = indexer.client.xrevrange(config.stream, count=1)[0][0].decode()
     assert manifest.last_entry_id == last_id
     assert pending(indexer.client, config) == 0  # all acknowledged after the manifest
+    assert indexer.client.xlen(config.stream) == 0  # and trimmed, being indexed
 
 
-def test_newest_shard_is_rebuilt_until_full_then_new_ones_and_the_cap(tmp_path, redis_server,
-                                                                      names):
-    config = make_config(tmp_path, redis_server, names, shard_tokens=300, max_shards=2)
+def shard_sizes(config):
+    manifest = read_manifest(config.datastore_dir)
+    return [read_meta(f"{config.datastore_dir}/{name}").num_tokens for name in manifest.shards]
+
+
+def test_merge_plan_takes_the_lowest_tier_run_that_fits():
+    # base 5, fanout 3: tier 0 below 15 tokens, tier 1 below 45, tier 2 below 135.
+    assert [tier(n, 5, 3) for n in (1, 14, 15, 44, 45, 134, 135)] == [0, 0, 1, 1, 2, 2, 3]
+    assert plan_merge([100, 10, 10, 10], 5, 3, 1000) == (1, 4)
+    assert plan_merge([20, 20, 20, 5, 5, 5], 5, 3, 1000) == (3, 6)  # cheapest first
+    assert plan_merge([20, 20, 20, 5, 5], 5, 3, 1000) == (0, 3)
+    assert plan_merge([10, 10, 10], 5, 3, 25) is None  # the merged shard would be too big
+    assert plan_merge([20, 10, 5], 5, 3, 1000) is None  # tiers fall, none full
+    assert plan_merge([10, 20, 10, 20], 5, 3, 1000) == (0, 2)  # a bigger one takes the smaller
+    assert plan_merge([100, 5, 5, 100], 5, 3, 1000) == (1, 4)
+    assert plan_merge([100, 5, 5, 100], 5, 3, 105) == (1, 3)  # too big with it: the small ones
+    assert keep_newest([50, 50, 50, 50], 120) == 2
+    assert keep_newest([500], 120) == 0  # the newest shard always stays
+
+
+def test_builds_write_small_shards_and_merges_keep_every_document_once_in_order(
+        tmp_path, redis_server, names):
+    config = make_config(tmp_path, redis_server, names, merge_base_tokens=30, merge_fanout=3,
+                         retire_grace_s=0)
     client = redis.Redis.from_url(redis_server.url)
     indexer = Indexer(config)
-    batches = [conversations(3, seed=s, length=(10, 20)) for s in range(8)]
-    history = []
-    for batch in batches:
+    documents, builds_seen = [], []
+    for seed in range(12):  # one build of 3 conversations (about 90 tokens) per round
+        batch = conversations(3, seed=seed, length=(10, 20))
         add(client, config.stream, batch)
-        assert poll_until(indexer, lambda: pending(client, config) == 0 and
-                          indexer.stats.entries_indexed == 3 * (len(history) + 1))
-        history.append(read_manifest(config.datastore_dir).shards)
-    # The first shard grew (rebuilt under a new name) before a second one started.
-    assert len(history[0]) == 1 and len(history[1]) == 1 and history[0] != history[1]
-    assert max(len(shards) for shards in history) == 2  # the cap
-    final = read_manifest(config.datastore_dir).shards
-    on_disk = sorted(p.name for p in (tmp_path / "datastore").glob("shard-*"))
-    # Dropped and replaced shards are deleted one build later: at most the last build's remain.
-    assert set(final) <= set(on_disk) and len(on_disk) <= len(final) + 2
+        documents += [c.document for c in batch]
+        before = read_manifest(config.datastore_dir)
+        assert poll_until(indexer, lambda: indexer.stats.entries_indexed == len(documents))
+        after = read_manifest(config.datastore_dir)
+        # The build added shards after the old ones and changed none of them.
+        old = before.shards if before else ()
+        assert after.shards[:len(old)] == old and len(after.shards) > len(old)
+        builds_seen.append(shard_sizes(config)[-1])
+        indexer.merge_all()
+        assert read_documents(config.datastore_dir) == documents  # once each, in order
+        sizes = shard_sizes(config)
+        assert plan_merge(sizes, 30, 3, config.shard_tokens) is None
+        tiers = [tier(n, 30, 3) for n in sizes]
+        assert tiers == sorted(tiers, reverse=True)  # oldest biggest
+        for level in set(tiers):  # at most fanout - 1 shards wait in a tier
+            assert tiers.count(level) <= 2
+    assert indexer.stats.merges >= 4
+    assert max(shard_sizes(config)) > 3 * max(builds_seen)  # merged across several tiers
+    # Each token was re-indexed at most once per tier it climbed.
+    levels = 1 + max(tier(n, 30, 3) for n in shard_sizes(config))
+    assert indexer.stats.tokens_merged <= levels * indexer.stats.tokens_indexed
+    on_disk = {p.name for p in (tmp_path / "datastore").glob("shard-*")}
+    live = set(read_manifest(config.datastore_dir).shards)
+    assert live <= on_disk
+    Indexer(config).clean()  # what a restart does: only the manifest's shards stay
+    assert {p.name for p in (tmp_path / "datastore").glob("shard-*")} == live
+
+
+def test_background_merges_and_builds_interleave_without_loss(tmp_path, redis_server, names):
+    config = make_config(tmp_path, redis_server, names, merge_base_tokens=20, merge_fanout=2,
+                         retire_grace_s=0)
+    client = redis.Redis.from_url(redis_server.url)
+    indexer = Indexer(config)
+    stop = threading.Event()
+    thread = threading.Thread(target=indexer.run, args=(stop,))
+    thread.start()
+    documents = []
+    try:
+        for seed in range(30):
+            batch = conversations(2, seed=100 + seed, length=(5, 15))
+            add(client, config.stream, batch)
+            documents += [c.document for c in batch]
+            time.sleep(0.02)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (
+                indexer.stats.entries_indexed == len(documents) and
+                plan_merge(shard_sizes(config), 20, 2, config.shard_tokens) is None):
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert indexer.stats.entries_indexed == len(documents) and indexer.stats.merges > 0
+    assert read_documents(config.datastore_dir) == documents
+    assert pending(client, config) == 0
+
+
+def test_retention_drops_the_oldest_shards_beyond_max_tokens(tmp_path, redis_server, names):
+    config = make_config(tmp_path, redis_server, names, shard_tokens=100, max_shards=2)
+    client = redis.Redis.from_url(redis_server.url)
+    indexer = Indexer(config)
+    all_documents = []
+    for seed in range(8):
+        batch = conversations(3, seed=seed, length=(5, 10))
+        add(client, config.stream, batch)
+        all_documents += [c.document for c in batch]
+        assert poll_until(indexer, lambda: indexer.stats.entries_indexed == len(all_documents))
+        indexer.merge_all()
+        assert sum(shard_sizes(config)) <= 2 * 100
+        assert max(shard_sizes(config)) <= config.shard_tokens
     documents = read_documents(config.datastore_dir)
-    all_documents = [c.document for batch in batches for c in batch]
     assert documents == all_documents[-len(documents):]  # the newest, in order, oldest dropped
     assert len(documents) < len(all_documents)
-    for name in final:
-        tokens = np.fromfile(tmp_path / "datastore" / name / "tokens.u32", dtype="<u4")
-        assert tokens.shape[0] <= config.shard_tokens
+
+
+def test_the_stream_is_trimmed_only_up_to_what_is_indexed(tmp_path, redis_server, names,
+                                                         monkeypatch):
+    from sssd.indexer import producer
+
+    config = make_config(tmp_path, redis_server, names, build_tokens=10**6,
+                         backlog_alert_entries=4)
+    client = redis.Redis.from_url(redis_server.url)
+    indexer = Indexer(config)
+    first = conversations(6, seed=3)
+    add(client, config.stream, first)
+    indexer.poll(block_ms=20)  # read, buffered, not indexed
+    assert indexer.trim() == 0 and client.xlen(config.stream) == 6
+    alerts = indexer.stats.backlog_alerts  # the poll checked once already
+    assert indexer.check_backlog() == 6 and indexer.stats.backlog_alerts == alerts + 1
+    indexer.build()  # indexed, acknowledged and trimmed
+    assert client.xlen(config.stream) == 0 and indexer.stats.trimmed == 6
+    # The indexer stops reading; the producers go on: the stream grows past the alert length
+    # and loses nothing.
+    monkeypatch.setattr(producer, "LENGTH_CHECK_S", 0.0)
+    publisher = ConversationPublisher(redis_server.url, tmp_path / "spool",
+                                      stream=config.stream, alert_len=4)
+    second = conversations(8, seed=4)
+    for item in second:
+        publisher.publish(item)
+    assert publisher.flush(10)
+    publisher.close()
+    assert client.xlen(config.stream) == 8 and publisher.stats.backlog_alerts >= 1
+    assert indexer.trim() == 0  # none of them is indexed yet
+    indexer.poll(block_ms=20)
+    indexer.build()
+    assert read_documents(config.datastore_dir) == [c.document for c in first + second]
+    assert client.xlen(config.stream) == 0
 
 
 @pytest.mark.parametrize("crash_at", ["during_build", "after_build", "after_manifest"])
@@ -146,6 +259,45 @@ def test_crash_at_any_point_loses_nothing_and_indexes_nothing_twice(tmp_path, re
     leftovers = [p.name for p in (tmp_path / "datastore").iterdir()
                  if p.name.startswith(".shard-")]
     assert leftovers == []
+
+
+@pytest.mark.parametrize("crash_at", ["during_merge", "after_merge_build",
+                                      "after_merge_manifest"])
+def test_a_crash_in_a_merge_loses_nothing_and_duplicates_nothing(tmp_path, redis_server, names,
+                                                                 crash_at):
+    config = make_config(tmp_path, redis_server, names, merge_fanout=3, retire_grace_s=3600)
+    client = redis.Redis.from_url(redis_server.url)
+    healthy = Indexer(config)
+    documents = []
+    for seed in range(3):  # three small shards of tier 0: a merge is due
+        batch = conversations(2, seed=20 + seed)
+        add(client, config.stream, batch)
+        documents += [c.document for c in batch]
+        assert poll_until(healthy, lambda: healthy.stats.entries_indexed == len(documents))
+    before = read_manifest(config.datastore_dir)
+    assert len(before.shards) == 3
+    crashing = Indexer(config, crash_at=crash_at)
+    with pytest.raises(SimulatedCrash):
+        crashing.merge_once()
+    after_crash = read_manifest(config.datastore_dir)
+    # Old manifest or new one, and the documents are exactly the same either way.
+    assert after_crash.shards == before.shards or len(after_crash.shards) == 1
+    assert read_documents(config.datastore_dir) == documents
+    restarted = Indexer(config)
+    restarted.recover()
+    restarted.merge_all()
+    assert read_documents(config.datastore_dir) == documents
+    live = set(read_manifest(config.datastore_dir).shards)
+    assert len(live) == 1
+    Indexer(config).clean()
+    on_disk = {p.name for p in (tmp_path / "datastore").iterdir() if p.name.startswith(("shard-",
+                                                                                      ".shard-"))}
+    assert on_disk == live  # no half-written shard, no orphaned source or merged shard
+    # Indexing goes on after the crash as usual.
+    batch = conversations(2, seed=30)
+    add(client, config.stream, batch)
+    assert poll_until(restarted, lambda: restarted.stats.entries_indexed == 2)
+    assert read_documents(config.datastore_dir) == documents + [c.document for c in batch]
 
 
 def test_malformed_entries_go_to_the_dead_letter_stream(tmp_path, redis_server, names):
@@ -293,7 +445,8 @@ def test_drafter_agrees_with_the_manifest_after_the_cap_drops_a_shard(tmp_path, 
             add(client, config.stream, conversations(2, seed=10 + seed, length=(20, 26)))
             assert poll_until(indexer, lambda: indexer.stats.builds == seed + 1)
         manifest = read_manifest(config.datastore_dir)
-        assert len(manifest.shards) == 2 and indexer.stats.builds == 4
+        assert indexer.stats.builds == 4 and sum(shard_sizes(config)) <= 2 * 100
+        assert len(read_documents(config.datastore_dir)) < 8  # the oldest shards left
         tokens = sum(len(d) + 1 for d in read_documents(config.datastore_dir))
         deadline = time.monotonic() + 10
         while drafter.info()["num_datastore_tokens"] != tokens and time.monotonic() < deadline:
@@ -351,7 +504,9 @@ def test_indexer_service_health_and_metrics(tmp_path, redis_server, names, free_
         assert wait_until(lambda: metrics().get("sssd_indexer_entries_indexed") == 3 and
                           metrics().get("sssd_indexer_dead_lettered") == 1, timeout=20)
         values = metrics()
-        assert values["sssd_indexer_shards"] == 1 and values["sssd_indexer_tokens_indexed"] > 0
+        assert values["sssd_indexer_shards"] >= 1 and values["sssd_indexer_tokens_indexed"] > 0
+        assert values["sssd_indexer_stream_trimmed"] == 4  # indexed or dead-lettered: trimmed
+        assert values["sssd_indexer_backlog_alerts"] == 0
         assert values["sssd_indexer_datastore_tokens"] == values["sssd_indexer_tokens_indexed"]
         assert values["sssd_indexer_lag_entries"] == 0
         channel.close()
