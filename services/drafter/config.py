@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from sssd import _core
 from sssd.common.flags import add_flags, from_args, option
 from sssd.common.ports import DRAFTER_PORT
+from sssd.common.tls import add_tls_flags, tls_from_args
 
 ENV_PREFIX = "SSSD_DRAFTER_"
 
@@ -103,8 +104,10 @@ class DrafterConfig:
         add_flags(parser, cls, env_prefix=ENV_PREFIX)
         add_flags(parser.add_argument_group("algorithm constants (ALGORITHM.md)"), DraftParams,
                   env_prefix=ENV_PREFIX)
+        add_tls_flags(parser)
         args = parser.parse_args(argv)
         try:
+            tls_from_args(args)  # the server binds with it (sssd.common.tls)
             return from_args(cls, args, params=from_args(DraftParams, args))
         except ValueError as exc:
             parser.error(str(exc))

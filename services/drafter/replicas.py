@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from sssd.common import tls
 from sssd.common.batch_split import Split, propose_split, raise_failure
 from sssd.common.draft_tree import DraftTree
 from sssd.common.drafting import DraftRequest, Proposer, SequenceNotFound
@@ -172,7 +173,7 @@ class ReplicatedDrafter:
 
     def _serving(self, replica: str) -> bool:
         try:
-            with grpc.insecure_channel(replica) as channel:
+            with tls.channel(replica) as channel:
                 answer = health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(service=""), timeout=self.timeout_s)
             return answer.status == health_pb2.HealthCheckResponse.SERVING

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from sssd.common.draft_tree import DraftTree
 from sssd.common.drafting import DraftRequest
+from sssd.common import tls
 from sssd.common.rpc import call_or_abort, serve_until_signal
 from sssd.common.targets import address
 from sssd.drafter.config import DrafterConfig
@@ -115,7 +116,7 @@ def _start(
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        port = server.add_insecure_port(address(config.host, config.port))
+        port = tls.bind(server, address(config.host, config.port))
         server.start()
     except BaseException:
         if owns_drafter:

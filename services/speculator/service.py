@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from sssd.common import tls
 from sssd.common.rpc import call_or_abort, serve_until_signal
 from sssd.common.targets import address
 from sssd.speculator.config import SpeculatorConfig
@@ -196,7 +197,7 @@ def create_server(config: SpeculatorConfig, speculator: Speculator
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address(config.host, config.port))
+    port = tls.bind(server, address(config.host, config.port))
     server.start()
     for service in (SERVICE_NAME, ""):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)

@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from sssd.common import tls
 from sssd.common.targets import address
 from sssd.v1 import generate_pb2, generate_pb2_grpc
 from sssd.verifier.engine.request import GenerateRequest, InvalidRequest, SamplingParams
@@ -219,7 +220,7 @@ def start_frontend(config: FrontendConfig) -> Frontend:
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME,
                                          reflection.SERVICE_NAME), server)
     host = f"[{config.host}]" if ":" in config.host else config.host
-    port = server.add_insecure_port(f"{host}:{config.port}")
+    port = tls.bind(server, f"{host}:{config.port}")
     server.start()
     frontend = Frontend(server, port, servicer, health_servicer)
     frontend.set_serving(False)

@@ -1,0 +1,208 @@
+"""gRPC TLS on every service (drafter, speculator, Generate API, indexer health) and the Redis
+password, each with real processes on 127.0.0.1. The CA and the certificates are made here."""
+
+import datetime
+import ipaddress
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from sssd.common import tls
+from sssd.common.drafting import DraftRequest
+from sssd.common.tls import TlsFiles
+from sssd.drafter.client import RemoteDrafter
+
+
+def make_ca(directory: Path, name: str):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} test CA")])
+    ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+               .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5))
+               .not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+               .sign(ca_key, hashes.SHA256()))
+
+    def pem_key(key):
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
+
+    def issue(common_name: str, usage, sans):
+        key = ec.generate_private_key(ec.SECP256R1())
+        builder = (x509.CertificateBuilder()
+                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
+                                                               common_name)]))
+                   .issuer_name(ca_name).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
+        if sans:
+            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        cert = builder.sign(ca_key, hashes.SHA256())
+        cert_path = directory / f"{name}-{common_name}.crt"
+        key_path = directory / f"{name}-{common_name}.key"
+        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        key_path.write_bytes(pem_key(key))
+        return str(cert_path), str(key_path)
+
+    ca_path = directory / f"{name}-ca.crt"
+    ca_path.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    server = issue("server", ExtendedKeyUsageOID.SERVER_AUTH,
+                   [x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                    x509.DNSName("localhost")])
+    client = issue("client", ExtendedKeyUsageOID.CLIENT_AUTH, [])
+    return {"ca": str(ca_path), "server": server, "client": client}
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("pki")
+    return {"ours": make_ca(directory, "ours"), "theirs": make_ca(directory, "theirs")}
+
+
+def server_flags(pki):
+    cert, key = pki["ours"]["server"]
+    return ["--tls-cert", cert, "--tls-key", key, "--tls-ca", pki["ours"]["ca"]]
+
+
+def client_tls(pki, ca="ours", with_cert=True):
+    cert, key = pki["ours"]["client"] if with_cert else (None, None)
+    return TlsFiles(cert=cert, key=key, ca=pki[ca]["ca"])
+
+
+def health_status(port, files, timeout=5.0):
+    """The health status over a channel made with `files`, or the gRPC status code."""
+    with tls.channel(f"127.0.0.1:{port}", files) as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                             timeout=timeout).status
+        except grpc.RpcError as err:
+            return err.code()
+
+
+def assert_only_mutual_tls_gets_in(port, pki):
+    assert health_status(port, client_tls(pki)) in (health_pb2.HealthCheckResponse.SERVING,
+                                                    health_pb2.HealthCheckResponse.NOT_SERVING)
+    assert health_status(port, TlsFiles(), timeout=2) == grpc.StatusCode.UNAVAILABLE  # plaintext
+    # No client certificate, or a server certificate from a CA the client does not trust.
+    assert health_status(port, client_tls(pki, with_cert=False), timeout=2) == \
+        grpc.StatusCode.UNAVAILABLE
+    assert health_status(port, client_tls(pki, ca="theirs"), timeout=2) == \
+        grpc.StatusCode.UNAVAILABLE
+
+
+def test_tls_files_are_checked_with_clear_errors(tmp_path, pki):
+    with pytest.raises(ValueError, match="both a certificate and its key"):
+        TlsFiles(cert=pki["ours"]["server"][0])
+    with pytest.raises(ValueError, match="missing.pem"):
+        TlsFiles(ca=str(tmp_path / "missing.pem")).channel_credentials()
+    (tmp_path / "junk.crt").write_text("not a certificate")
+    with pytest.raises(ValueError, match="not PEM"):
+        TlsFiles(cert=str(tmp_path / "junk.crt"), key=pki["ours"]["server"][1]) \
+            .server_credentials()
+    env = {"SSSD_TLS_CA": "ca.pem", "SSSD_TLS_SERVER_NAME": "drafter.internal"}
+    files = TlsFiles.from_env(env)
+    assert files == TlsFiles(ca="ca.pem", server_name="drafter.internal") and files.dials_tls
+    assert files.channel_options() == [("grpc.ssl_target_name_override", "drafter.internal")]
+    assert not TlsFiles.from_env({}).dials_tls and not TlsFiles.from_env({}).serves_tls
+    # A service refuses to start on unusable files, and says which.
+    result = subprocess.run([str(Path(sys.executable).with_name("sssd-drafter")), "--port", "0",
+                             "--tls-cert", str(tmp_path / "junk.crt"), "--tls-key",
+                             pki["ours"]["server"][1]], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and "junk.crt is not PEM" in result.stderr
+
+
+def test_drafter_serves_mutual_tls_and_its_client_drafts_through_it(spawn_service, pki):
+    _, port = spawn_service([str(Path(sys.executable).with_name("sssd-drafter")), "--port", "0",
+                             "--vocab-size", "1000", "--num-threads", "1"] + server_flags(pki),
+                            drain=True)
+    assert_only_mutual_tls_gets_in(port, pki)
+    remote = RemoteDrafter(f"127.0.0.1:{port}", timeout_s=5, tls_files=client_tls(pki))
+    try:
+        prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+        (tree,) = remote.propose([DraftRequest("a", prompt, budget=8, is_start=True)])
+        assert tree.token_ids.tolist()[:2] == [7, 8]  # the root, then the repeat's next token
+    finally:
+        remote.close()
+    plain = RemoteDrafter(f"127.0.0.1:{port}", timeout_s=2, tls_files=TlsFiles())
+    try:
+        with pytest.raises(Exception) as failure:
+            plain.propose([DraftRequest("b", [1, 2, 3], budget=4, is_start=True)])
+        assert "UNAVAILABLE" in str(failure.value) or "unavailable" in str(failure.value)
+    finally:
+        plain.close()
+
+
+def test_speculator_and_generate_api_serve_mutual_tls(spawn_service, pki):
+    _, port = spawn_service([sys.executable, "-m", "sssd.speculator.service", "--port", "0",
+                             "--metrics-port", "0", "--draft-layers", "1", "--dtype",
+                             "float32"] + server_flags(pki), drain=True)
+    assert_only_mutual_tls_gets_in(port, pki)
+    # The Generate API binds its port before loading the model (health NOT_SERVING meanwhile):
+    # the handshake is what is tested here; the process is killed at teardown.
+    _, port = spawn_service([str(Path(sys.executable).with_name("sssd")), "serve", "--port", "0",
+                             "--dtype", "float32"] + server_flags(pki), drain=True)
+    assert_only_mutual_tls_gets_in(port, pki)
+
+
+def test_indexer_health_serves_tls_and_redis_requires_the_configured_password(
+        tmp_path, pki, free_port, wait_until):
+    from sssd.indexer.conversations import Conversation
+    from sssd.indexer.redis_server import RedisServer, ensure_password_file
+
+    password_file = ensure_password_file(tmp_path / "redis-password")
+    assert oct(password_file.stat().st_mode & 0o777) == "0o600"
+    password = password_file.read_text().strip()
+    server = RedisServer(tmp_path / "redis", password=password).start()
+    port = free_port()
+    process = None
+    try:
+        assert password not in " ".join(server.process.args)  # not on the command line
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(server.url).ping()
+        command = [str(Path(sys.executable).with_name("sssd-indexer")), "run",
+                   "--datastore-dir", str(tmp_path / "datastore"), "--redis-url", server.url,
+                   "--redis-password-file", str(password_file), "--vocab-size", "100",
+                   "--tokenizer-fingerprint", "f" * 64, "--build-tokens", "1",
+                   "--port", str(port), "--metrics-port", "0"] + server_flags(pki)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SSSD_")}
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, env=env)
+        assert wait_until(lambda: health_status(port, client_tls(pki), timeout=1) ==
+                          health_pb2.HealthCheckResponse.SERVING, timeout=60)
+        assert_only_mutual_tls_gets_in(port, pki)
+        # The indexer authenticated with the file's password: it indexes what is published.
+        client = redis.Redis.from_url(server.url, password=password)
+        client.xadd("sssd:conversations", Conversation([1, 2], [3], "f" * 64, "stop")
+                    .to_fields())
+        assert wait_until(lambda: (tmp_path / "datastore" / "manifest.json").is_file(),
+                          timeout=30)
+        assert wait_until(lambda: client.xlen("sssd:conversations") == 0, timeout=30)
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(20)
+        server.stop()
+
+
+def test_a_missing_password_file_is_a_clear_error(tmp_path):
+    result = subprocess.run([str(Path(sys.executable).with_name("sssd-indexer")), "run",
+                             "--datastore-dir", str(tmp_path / "d"), "--redis-password-file",
+                             str(tmp_path / "nope"), "--vocab-size", "100",
+                             "--tokenizer-fingerprint", "f" * 64], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and "nope" in result.stderr, result.stderr
