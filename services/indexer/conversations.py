@@ -6,6 +6,7 @@ An entry's fields:
     fingerprint    the tokenizer fingerprint of the model that produced them
     finish_reason  "stop", "length", ...
     ts             seconds since the epoch (decimal text)
+    uid            optional: the request's id; a conversation is published once per uid
 
 Packed ids keep an entry about 4 bytes per token. `decode_entry` turns any entry into a
 Conversation or raises MalformedEntry with the reason; the indexer dead-letters those.
@@ -35,6 +36,10 @@ class Conversation:
     fingerprint: str
     finish_reason: str
     timestamp: float = field(default_factory=time.time)
+    # The serving request's id: a publisher adds a uid to the stream at most once, so a retry
+    # after an ambiguous Redis failure, or a request finished again after a failover, is not
+    # indexed twice. "" (tests, offline tools): no such check.
+    uid: str = ""
 
     @property
     def document(self) -> list[int]:
@@ -48,18 +53,20 @@ class Conversation:
             "fingerprint": self.fingerprint.encode(),
             "finish_reason": self.finish_reason.encode(),
             "ts": repr(float(self.timestamp)).encode(),
-        }
+        } | ({"uid": self.uid.encode()} if self.uid else {})
 
     def to_json(self) -> str:
         return json.dumps({"prompt_ids": self.prompt_ids, "output_ids": self.output_ids,
                            "fingerprint": self.fingerprint,
-                           "finish_reason": self.finish_reason, "timestamp": self.timestamp})
+                           "finish_reason": self.finish_reason, "timestamp": self.timestamp,
+                           "uid": self.uid})
 
     @classmethod
     def from_json(cls, text: str) -> "Conversation":
         raw = json.loads(text)
         return cls([int(t) for t in raw["prompt_ids"]], [int(t) for t in raw["output_ids"]],
-                   str(raw["fingerprint"]), str(raw["finish_reason"]), float(raw["timestamp"]))
+                   str(raw["fingerprint"]), str(raw["finish_reason"]), float(raw["timestamp"]),
+                   str(raw.get("uid", "")))
 
 
 def _ids(fields: dict[bytes, bytes], name: str, vocab_size: int) -> list[int]:

@@ -28,6 +28,15 @@ from sssd.indexer.redis_server import connect
 logger = logging.getLogger(__name__)
 
 LENGTH_CHECK_S = 10.0  # how often the stream's length is compared with alert_len
+UID_TTL_S = 86_400  # how long a published uid is remembered (retries come within minutes)
+# Adds the entry only if its uid was not published before, atomically: a retry of an XADD
+# whose reply was lost (Redis died mid-call) finds the uid and adds nothing.
+ADD_ONCE = """
+if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[1]) then
+  return redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+end
+return false
+"""
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,7 @@ class PublisherStats:
     spooled: int = 0  # conversations written to the spool
     dropped: int = 0  # spooled conversations dropped because the spool was full
     backlog_alerts: int = 0  # times the stream was found longer than alert_len
+    duplicates: int = 0  # conversations whose uid was already in the stream (not added again)
     redis_errors: int = 0
 
 
@@ -103,6 +113,7 @@ class ConversationPublisher:
         self.client = connect(redis_url, socket_timeout=2.0, socket_connect_timeout=1.0)
         self.stream = stream
         self.alert_len = alert_len
+        self._add_once = self.client.register_script(ADD_ONCE)
         self._length_checked = 0.0
         self.spool = Spool(spool_dir, spool_max_entries)
         self.retry_s = retry_s
@@ -155,7 +166,15 @@ class ConversationPublisher:
             logger.warning("conversation spool full: dropped the %d oldest", dropped)
 
     def _add(self, conversation: Conversation) -> None:
-        self.client.xadd(self.stream, conversation.to_fields())
+        if conversation.uid:
+            fields = [item for pair in conversation.to_fields().items() for item in pair]
+            added = self._add_once(keys=[self.stream, f"{self.stream}:uid:{conversation.uid}"],
+                                   args=[UID_TTL_S, *fields])
+            if not added:
+                self.stats.duplicates += 1
+                return
+        else:
+            self.client.xadd(self.stream, conversation.to_fields())
         self.stats.published += 1
         now = time.monotonic()
         if now - self._length_checked >= LENGTH_CHECK_S:

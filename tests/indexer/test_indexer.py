@@ -358,6 +358,28 @@ def test_producer_spools_while_redis_is_down_and_sends_on_return(tmp_path, names
         server.stop()
 
 
+def test_a_request_published_twice_reaches_the_stream_once(tmp_path, redis_server, names):
+    """A retry after a lost reply, or another worker finishing the same request after a
+    failover, publishes the same uid again: the stream gets it once."""
+    config = make_config(tmp_path, redis_server, names)
+    first, second = conversations(2, seed=40)
+    first = Conversation(first.prompt_ids, first.output_ids, FINGERPRINT, "stop", uid="req-1")
+    publishers = [ConversationPublisher(redis_server.url, tmp_path / f"spool{i}",
+                                        stream=config.stream) for i in range(2)]
+    for publisher in publishers:
+        publisher.publish(first)
+    publishers[0].publish(second)  # no uid: no check
+    for publisher in publishers:
+        assert publisher.flush(10)
+        publisher.close()
+    assert sum(p.stats.published for p in publishers) == 2
+    assert sum(p.stats.duplicates for p in publishers) == 1
+    indexer = Indexer(config)
+    assert poll_until(indexer, lambda: indexer.stats.entries_indexed == 2)
+    assert sorted(read_documents(config.datastore_dir)) == sorted([first.document,
+                                                                   second.document])
+
+
 def test_full_spool_drops_the_oldest_and_counts_them(tmp_path):
     # Nothing listens on this port: every conversation goes to the spool.
     publisher = ConversationPublisher("redis://127.0.0.1:1/0", tmp_path / "spool",

@@ -91,7 +91,9 @@ class Admission:
         self._lock = threading.Lock()
         self._is_draining = False
         self._ids = itertools.count()
-        self._prefix = os.urandom(3).hex()  # ids stay unique across backends and restarts
+        # Ids stay unique across backends and restarts (they key the live datastore's
+        # once-per-request publishing, for a day).
+        self._prefix = os.urandom(8).hex()
 
     def admit(self, request: GenerateRequest, request_id: str | None = None) -> RequestHandle:
         """A handle for the request, or InvalidRequest / Overloaded / Draining."""

@@ -27,7 +27,8 @@ class ConversationSink(LoopObserver):
         for seq in step.finished:
             if seq.output_ids:
                 self.publisher.publish(Conversation(list(seq.prompt_ids), list(seq.output_ids),
-                                                    self.fingerprint, seq.finish_reason))
+                                                    self.fingerprint, seq.finish_reason,
+                                                    uid=seq.request_id))
 
     def close(self) -> None:
         self.publisher.close()
