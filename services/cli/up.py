@@ -149,11 +149,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         # TLS and the Redis password reach every child and Ray worker through the environment.
         tls_from_args(args)
-        password_file = args.redis_password_file
-        if password_file is None and args.redis_url == "embedded" and not args.no_live and \
-                not (os.environ.get(PASSWORD_FILE_ENV) or os.environ.get(PASSWORD_ENV)):
-            password_file = ensure_password_file("var/redis/password")
-        redis_password = use_password_file(password_file)
         ray_config = from_args(RayConfig, args, exclude=("address",), host=args.host,
                                token_file="var/ray/auth_token")
         speculator_target = f"{args.host}:{args.speculator_port}" if args.speculator else None
@@ -181,6 +176,15 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         for problem in problems:
             print(f"sssd up: error: {problem}", file=sys.stderr)
+        return 2
+    password_file = args.redis_password_file
+    if password_file is None and args.redis_url == "embedded" and not args.no_live and \
+            not (os.environ.get(PASSWORD_FILE_ENV) or os.environ.get(PASSWORD_ENV)):
+        password_file = ensure_password_file("var/redis/password")
+    try:
+        redis_password = use_password_file(password_file)
+    except RuntimeError as exc:
+        print(f"sssd up: error: {exc}", file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(args.model)
     vocab, fingerprint = vocab_size(tokenizer), tokenizer_fingerprint(tokenizer)
