@@ -78,7 +78,8 @@ class Stack:
         self.seeded = len(read_documents(self.live))
         password = use_password_file(ensure_password_file(work / "redis-password"))
         self.redis = RedisServer(work / "redis", password=password)
-        self.supervisor = Supervisor(report=lambda line: logger.warning("%s", line))
+        self.supervisor = Supervisor(report=lambda line: logger.warning("%s", line),
+                                     label="supervisor")
         self.ports = {name: free_port() for name in
                       ("drafter-0", "drafter-1", "indexer", "indexer-metrics", "speculator",
                        "speculator-metrics", "ray-metrics")}
@@ -282,6 +283,7 @@ def run(args) -> list[dict]:
         documents = read_documents(stack.live)[stack.seeded:]
         rows = report(records, faults, reference, prompts, documents, published, indexed_all,
                       start, args)
+        rows[-1]["failovers"] = stack.frontend.backend.num_failovers  # requests moved
         client.close()
     finally:
         stack.stop()
@@ -371,7 +373,7 @@ def plot(records, faults, start, path: Path) -> None:
     ax.set_xlabel("arrival (s since the load started)")
     ax.set_ylabel("latency, arrival to last token (s)")
     ax.set_title("chaos: SIGKILL faults (dashed; shaded until the process is back) under "
-                 "open-loop load")
+                 "open-loop load", pad=48)
     ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

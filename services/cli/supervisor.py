@@ -35,12 +35,13 @@ class Supervisor:
 
     def __init__(self, poll_s: float = 0.5, initial_backoff_s: float = 1.0,
                  max_backoff_s: float = 30.0, stable_s: float = 60.0,
-                 report: Callable[[str], None] | None = None) -> None:
+                 report: Callable[[str], None] | None = None, label: str = "sssd up") -> None:
         self.poll_s = poll_s
         self.initial_backoff_s = initial_backoff_s
         self.max_backoff_s = max_backoff_s
         self.stable_s = stable_s
         self.report = report or (lambda line: logger.warning("%s", line))
+        self.label = label  # how its lines start
         self._children: dict[str, _Child] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -92,7 +93,7 @@ class Supervisor:
             backoff = min(self.max_backoff_s,
                           self.initial_backoff_s * 2 ** child.crashes_in_a_row)
             child.crashes_in_a_row += 1
-            self.report(f"sssd up: the {child.name} exited with {code}; starting it again in "
+            self.report(f"{self.label}: the {child.name} exited with {code}; starting it again in "
                         f"{backoff:g} s (restart {child.restarts + 1})")
             if self._stopping.wait(backoff):
                 return
@@ -105,5 +106,5 @@ class Supervisor:
                 child.process = process
                 child.started_at = time.monotonic()
                 child.restarts += 1
-            self.report(f"sssd up: the {child.name} is back (pid {process.pid})")
+            self.report(f"{self.label}: the {child.name} is back (pid {process.pid})")
             return

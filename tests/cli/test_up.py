@@ -12,10 +12,12 @@ import pytest
 pytest.importorskip("ray")
 
 
-def test_sssd_up_once_serves_a_prompt_and_stops(tmp_path, warm_datastore, free_port):
+def test_sssd_up_once_serves_a_prompt_and_stops(tmp_path, warm_datastore, free_port, pki):
     """The whole stack, the SSD speculator included (a 2-layer cut of the model as its cheap
-    draft; one run covers both, for CI time): the check prompt is answered through the API,
-    identical with and without speculation and to plain greedy decoding."""
+    draft; one run covers both, for CI time), every gRPC hop on mutual TLS (the services, the
+    Ray workers' clients, the check's client) and Redis behind a password: the check prompt is
+    answered through the API, identical with and without speculation and to plain greedy
+    decoding."""
     sssd = Path(sys.executable).with_name("sssd")
     command = [str(sssd), "up", "--once", "--datastore", warm_datastore,
                "--speculator", "--speculator-draft-layers", "2",
@@ -26,8 +28,10 @@ def test_sssd_up_once_serves_a_prompt_and_stops(tmp_path, warm_datastore, free_p
                "--max-batch-size", "2", "--max-len", "512", "--max-tokens", "12",
                "--prompt", "Name a colour.", "--check-rounds", "1", "--redis-port", str(free_port()),
                "--indexer-port", str(free_port()), "--indexer-metrics-port", str(free_port()),
-               "--build-tokens", "1", "--build-interval-s", "1"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+               "--build-tokens", "1", "--build-interval-s", "1",
+               "--tls-cert", pki["ours"]["server"][0], "--tls-key", pki["ours"]["server"][1],
+               "--tls-ca", pki["ours"]["ca"]]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SSSD_"))}
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -52,6 +56,8 @@ def test_sssd_up_once_serves_a_prompt_and_stops(tmp_path, warm_datastore, free_p
     live = read_documents(tmp_path / "var" / "live" / "datastore")
     seeded = read_documents(warm_datastore)
     assert live[: len(seeded)] == seeded and len(live) == len(seeded) + 3
+    password_file = tmp_path / "var" / "redis" / "password"  # made by sssd up, private
+    assert password_file.stat().st_mode & 0o777 == 0o600
     token_file = tmp_path / "var" / "ray" / "auth_token"
     assert f"token in {token_file}" in out
     assert token_file.stat().st_mode & 0o777 == 0o600

@@ -75,18 +75,19 @@ livenessProbe:
 {{- end -}}
 
 {{/*
-The Redis URL as an env var list: REDIS_PASSWORD from the Secret, then SSSD_REDIS_URL, which
-Kubernetes expands with it. An external URL is used as given, or read from its Secret.
+The Redis URL as an env var list. The chart's Redis: SSSD_REDIS_PASSWORD from the Secret, which
+every sssd client adds to a URL without one (sssd.indexer.redis_server.connect), so the password
+never appears on a command line. An external URL is used as given, or read from its Secret.
 */}}
 {{- define "sssd.redisEnv" -}}
 {{- if .Values.redis.enabled }}
-- name: REDIS_PASSWORD
+- name: SSSD_REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
       name: {{ include "sssd.redisSecret" . }}
       key: {{ .Values.redis.auth.key }}
 - name: SSSD_REDIS_URL
-  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:%d/0" (include "sssd.component" (dict "root" . "component" "redis")) (int .Values.redis.port) | quote }}
+  value: {{ printf "redis://%s:%d/0" (include "sssd.component" (dict "root" . "component" "redis")) (int .Values.redis.port) | quote }}
 {{- else if .Values.redis.externalUrlSecret.name }}
 - name: SSSD_REDIS_URL
   valueFrom:
