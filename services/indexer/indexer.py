@@ -357,6 +357,15 @@ class Indexer:
             self._sizes[name] = read_meta(self.directory / name).num_tokens
         return self._sizes[name]
 
+    def _maybe_crash_writing(self, point: str, name: str, stream: np.ndarray) -> None:
+        """At crash point `point` (tests): half of the shard's tokens written under its
+        temporary name, then the 'death'."""
+        if self.crash_at == point:
+            partial = self.directory / f".{name}.crash.tmp"
+            partial.mkdir()
+            stream[: stream.shape[0] // 2].tofile(partial / "tokens.u32")
+            raise SimulatedCrash(point)
+
     def _retire(self, names: list[str]) -> None:
         now = time.monotonic()
         self._retired += [(now, name) for name in names]
@@ -393,11 +402,7 @@ class Indexer:
             names = list(manifest.shards)
             for stream in _split(new_stream, config.shard_tokens):
                 name = self._allocate(manifest)
-                if self.crash_at == "during_build":
-                    partial = self.directory / f".{name}.crash.tmp"
-                    partial.mkdir()
-                    stream[: stream.shape[0] // 2].tofile(partial / "tokens.u32")
-                    raise SimulatedCrash("during_build")
+                self._maybe_crash_writing("during_build", name, stream)
                 write_shard(self.directory / name, stream, config.vocab_size,
                             config.tokenizer_fingerprint, source_first=first, source_last=last)
                 self._sizes[name] = int(stream.shape[0])
@@ -449,11 +454,7 @@ class Indexer:
         metas = [read_meta(self.directory / source) for source in sources]
         merged = np.concatenate([np.fromfile(self.directory / source / "tokens.u32",
                                              dtype="<u4") for source in sources])
-        if self.crash_at == "during_merge":
-            partial = self.directory / f".{name}.crash.tmp"
-            partial.mkdir()
-            merged[: merged.shape[0] // 2].tofile(partial / "tokens.u32")
-            raise SimulatedCrash("during_merge")
+        self._maybe_crash_writing("during_merge", name, merged)
         write_shard(self.directory / name, merged, config.vocab_size,
                     config.tokenizer_fingerprint, source_first=metas[0].source_first,
                     source_last=metas[-1].source_last)
