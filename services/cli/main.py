@@ -164,7 +164,10 @@ def serve_config(args: argparse.Namespace) -> "FrontendConfig":
         from sssd.indexer.producer import PublishConfig
 
         stream = {"stream": args.stream} if args.stream else {}
-        publish = PublishConfig(args.redis_url, str(Path(args.spool_dir).absolute()), **stream)
+        from sssd.indexer.redis_server import configured_password
+
+        publish = PublishConfig(args.redis_url, str(Path(args.spool_dir).absolute()), **stream,
+                                password=configured_password())
     return from_args(FrontendConfig, args, engine=from_args(EngineConfig, args),
                      max_workers=args.max_requests + 16, ray=ray, publish=publish)
 

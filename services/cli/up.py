@@ -218,7 +218,8 @@ def run(args: argparse.Namespace) -> int:
             indexer = supervisor.add("indexer", lambda: start_indexer(
                 live, redis_url, vocab, fingerprint, args.indexer_port,
                 args.indexer_metrics_port, args.build_tokens, args.build_interval_s))
-            publish = PublishConfig(redis_url, str(Path("var/live/spool").absolute()))
+            publish = PublishConfig(redis_url, str(Path("var/live/spool").absolute()),
+                                    password=redis_password)
             print(f"[1/5] live datastore {live} (seeded from {datastore}); Redis {redis_url}; "
                   f"indexer pid {indexer.pid}, metrics "
                   f"http://127.0.0.1:{args.indexer_metrics_port}/metrics", flush=True)

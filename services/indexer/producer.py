@@ -19,7 +19,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sssd.indexer.conversations import STREAM, Conversation
@@ -48,6 +48,10 @@ class PublishConfig:
     stream: str = STREAM
     alert_len: int = 1_000_000  # a stream longer than this: the indexer lags, alert
     spool_max_entries: int = 100_000
+    # Resolved where the configuration is made (the frontend) and carried to the workers with
+    # it: a Ray worker's process may not have the frontend's environment (on Kubernetes it runs
+    # in another pod). Never printed.
+    password: str | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -109,8 +113,10 @@ class Spool:
 class ConversationPublisher:
     def __init__(self, redis_url: str, spool_dir: str | os.PathLike, stream: str = STREAM,
                  alert_len: int = 1_000_000, spool_max_entries: int = 100_000,
+                 password: str | None = None,
                  queue_size: int = 10_000, retry_s: float = 0.5) -> None:
-        self.client = connect(redis_url, socket_timeout=2.0, socket_connect_timeout=1.0)
+        extra = {"password": password} if password is not None else {}
+        self.client = connect(redis_url, socket_timeout=2.0, socket_connect_timeout=1.0, **extra)
         self.stream = stream
         self.alert_len = alert_len
         self._add_once = self.client.register_script(ADD_ONCE)

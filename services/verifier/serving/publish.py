@@ -21,7 +21,8 @@ class ConversationSink(LoopObserver):
         self.fingerprint = fingerprint
         self.publisher = ConversationPublisher(
             config.redis_url, os.path.join(config.spool_dir, worker), stream=config.stream,
-            alert_len=config.alert_len, spool_max_entries=config.spool_max_entries)
+            alert_len=config.alert_len, spool_max_entries=config.spool_max_entries,
+            password=config.password)
 
     def on_step(self, step: StepOutput, step_s: float) -> None:
         for seq in step.finished:
