@@ -141,7 +141,7 @@ class Stack:
                     return False
                 return pid != old and slot.up
             return f"{kind} worker pid {old}", back
-        name = {"drafter": rng.choice(["drafter-0", "drafter-1"])}.get(kind, kind)
+        name = rng.choice(["drafter-0", "drafter-1"]) if kind == "drafter" else kind
         restarts = self.supervisor.restarts(name)
         process = self.supervisor.process(name)
         os.kill(process.pid, signal.SIGKILL)

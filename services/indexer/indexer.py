@@ -116,7 +116,6 @@ class IndexerStats:
     tokens_merged: int = 0  # tokens re-indexed by merges (the compaction's write amplification)
     last_merge_s: float = 0.0
     trimmed: int = 0  # stream entries deleted after they were indexed
-    backlog: int = 0  # unindexed stream entries at the last check
     backlog_alerts: int = 0
     redis_errors: int = 0
     skipped_already_indexed: int = 0  # redelivered entries the manifest already holds
@@ -145,7 +144,7 @@ class Indexer:
         self.stats = IndexerStats()
         self._buffer = _Buffer()
         # Builds and merges both replace the manifest: each read-modify-write holds this lock.
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._next_index = 0  # shard numbers handed out; names are never reused
         self._sizes: dict[str, int] = {}  # shard name -> tokens (shards are immutable)
         self._retired: list[tuple[float, str]] = []  # (monotonic time, shard) left out
@@ -299,7 +298,6 @@ class Indexer:
         stream keeps them: trimming waits for the indexer)."""
         self._backlog_checked = time.monotonic()
         backlog = self.lag
-        self.stats.backlog = backlog
         if backlog >= self.config.backlog_alert_entries:
             self.stats.backlog_alerts += 1
             logger.warning("ALERT: %d stream entries are not indexed yet (alert at %d); the "
