@@ -248,10 +248,10 @@ def spawn_service():
         process.stderr.close()
 
 
-def make_ca(directory, name: str):
+def make_ca(directory, name: str, server_names=()):
     """A self-signed CA named `name` in `directory`, with a server certificate (127.0.0.1,
-    localhost) and a client certificate it signed: {"ca": path, "server": (cert, key),
-    "client": (cert, key)}."""
+    localhost and `server_names`) and a client certificate it signed: {"ca": path,
+    "server": (cert, key), "client": (cert, key)}."""
     import datetime
     import ipaddress
 
@@ -299,9 +299,15 @@ def make_ca(directory, name: str):
     # service, as `sssd up --tls-*` uses it).
     server = issue("server", [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
                    [x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                    x509.DNSName("localhost")])
+                    x509.DNSName("localhost"), *map(x509.DNSName, server_names)])
     client = issue("client", [ExtendedKeyUsageOID.CLIENT_AUTH], [])
     return {"ca": str(ca_path), "server": server, "client": client}
+
+
+@pytest.fixture(scope="session")
+def ca_factory():
+    """make_ca, for a test that needs a CA of its own (other server names)."""
+    return make_ca
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,8 @@
 
 Every server command takes `--tls-cert`, `--tls-key` and `--tls-ca`; every client takes a
 `TlsFiles`. Both default to the environment, so one set of variables configures a whole
-deployment (mount a Secret and set them; the Helm chart does not do it yet; `sssd up` passes
-its environment to its children and Ray workers):
+deployment (mount a Secret and set them, as the Helm chart does with `tls.secretName`;
+`sssd up` passes its environment to its children and Ray workers):
 
     SSSD_TLS_CERT         PEM certificate chain of this process (server, or client for mTLS)
     SSSD_TLS_KEY          its PEM private key

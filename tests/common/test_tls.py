@@ -151,3 +151,50 @@ def test_a_missing_password_file_is_a_clear_error(tmp_path):
                              "--tokenizer-fingerprint", "f" * 64], capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 2 and "nope" in result.stderr, result.stderr
+
+
+def test_health_probe_checks_a_tls_service_the_way_the_charts_exec_probe_runs_it(
+        pki, monkeypatch, capsys):
+    """`sssd-health-probe` (the chart's exec probe under TLS): 0 for SERVING over mutual TLS with
+    the expected server name; 1 and one line naming the reason for NOT_SERVING, a name the
+    certificate does not hold, a CA that did not sign it, and a port where nothing listens."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health
+
+    from sssd.common.health_probe import main as probe
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    cert, key = pki["ours"]["server"]
+    port = tls.bind(server, "127.0.0.1:0", TlsFiles(cert=cert, key=key, ca=pki["ours"]["ca"]))
+    server.start()
+    try:
+        client_cert, client_key = pki["ours"]["client"]
+        monkeypatch.setenv("SSSD_TLS_CERT", client_cert)
+        monkeypatch.setenv("SSSD_TLS_KEY", client_key)
+        monkeypatch.setenv("SSSD_TLS_CA", pki["ours"]["ca"])
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert probe(["--port", str(port)]) == 0
+        assert probe(["--port", str(port), "--server-name", "localhost"]) == 0
+        capsys.readouterr()
+
+        assert probe(["--port", str(port), "--server-name", "demo-sssd-serve-drafter",
+                      "--timeout", "1"]) == 1
+        assert capsys.readouterr().err.startswith(f"unhealthy: 127.0.0.1:{port}: UNAVAILABLE")
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert probe(["--port", str(port)]) == 1
+        assert capsys.readouterr().err == f"unhealthy: 127.0.0.1:{port}: NOT_SERVING\n"
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        monkeypatch.setenv("SSSD_TLS_CA", pki["theirs"]["ca"])
+        assert probe(["--port", str(port), "--timeout", "1"]) == 1
+        assert "UNAVAILABLE" in capsys.readouterr().err
+    finally:
+        server.stop(None)
+    monkeypatch.setenv("SSSD_TLS_CA", pki["ours"]["ca"])
+    assert probe(["--port", str(port), "--timeout", "1"]) == 1  # nothing listens any more
+    assert capsys.readouterr().err.count("\n") == 1
+    monkeypatch.setenv("SSSD_TLS_CA", "/nonexistent/ca.crt")
+    assert probe(["--port", str(port)]) == 1
+    assert "/nonexistent/ca.crt" in capsys.readouterr().err

@@ -41,6 +41,8 @@ VALUE_SETS = {
                                         "externalUrlSecret": {"name": "redis-credentials"}}},
     "monitoring": {"monitoring": {"enabled": True, "labels": {"release": "prometheus"}},
                    "speculator": {"enabled": True}},
+    "tls": {"tls": {"secretName": "sssd-tls"}, "speculator": {"enabled": True},
+            "verifier": {"engine": {"mode": "ssd"}}},
     "drafter-replicas": {"drafter": {"replicas": 5, "autoscaling": {"enabled": False},
                                      "config": {"poll_interval_s": 2}},
                          "verifier": {"decode": {"replicas": 3, "workersPerPod": 2}},
@@ -183,7 +185,7 @@ def expand(argument: str, env: dict[str, str]) -> str:
 
 @pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
 def test_every_command_and_configuration_is_accepted_by_its_service(render, value_set,
-                                                                   monkeypatch):
+                                                                   monkeypatch, pki):
     """What each container runs is parsed by that service's own parser and built into its
     frozen config, which validates itself: a misspelled flag, a field the config does not have
     or a value out of range fails here."""
@@ -206,6 +208,10 @@ def test_every_command_and_configuration_is_accepted_by_its_service(render, valu
                for e in container.get("env", [])}
         for source in container.get("envFrom", []):
             env.update(config_maps[source["configMapRef"]["name"]])
+        # The TLS Secret's files are not here either: real ones at the same variables.
+        stand_ins = {"SSSD_TLS_CERT": pki["ours"]["server"][0],
+                     "SSSD_TLS_KEY": pki["ours"]["server"][1], "SSSD_TLS_CA": pki["ours"]["ca"]}
+        env.update({k: stand_ins[k] for k in env if k.startswith("SSSD_TLS_")})
         command = [expand(a, env) for a in container.get("command", [])
                    + container.get("args", [])]
         program = command[0] if command else container["name"]
@@ -214,7 +220,7 @@ def test_every_command_and_configuration_is_accepted_by_its_service(render, valu
             for key, value in env.items():
                 patch.setenv(key, value)
             if program == "sssd-drafter":
-                assert all(k.startswith("SSSD_DRAFTER_") for k in env)
+                assert all(k.startswith(("SSSD_DRAFTER_", "SSSD_TLS_")) for k in env)
                 assert_known(env, "SSSD_DRAFTER_", env_fields(DrafterConfig, DraftParams))
                 config = DrafterConfig.from_args(command[1:])
                 assert config.port == VALUE_SETS[value_set].get("drafter", {}).get("port", 50051)
@@ -280,3 +286,58 @@ def _pod_labels(objects):
             yield spec["headGroupSpec"]["template"]["metadata"]["labels"]
             for group in spec["workerGroupSpecs"]:
                 yield group["template"]["metadata"]["labels"]
+
+
+def _pod_templates(objects):
+    for obj in objects:
+        spec = obj.get("spec", {})
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            yield spec["template"]["spec"]
+        elif obj["kind"] == "RayCluster":
+            yield spec["headGroupSpec"]["template"]["spec"]
+            for group in spec["workerGroupSpecs"]:
+                yield group["template"]["spec"]
+
+
+def test_tls_mounts_the_secret_into_every_sssd_process_and_probes_through_it(render):
+    """With tls.secretName every container that runs sssd code (or hosts its Ray actors) gets
+    the Secret's three files, read-only, and SSSD_TLS_* pointing at them; the gRPC probes
+    become exec probes of sssd-health-probe that verify the component's Service name; without
+    it, nothing of this is rendered."""
+    from sssd.common.health_probe import build_parser
+
+    objects = render(VALUE_SETS["tls"])
+    services = {s["metadata"]["name"] for s in by_kind(objects, "Service")}
+    probed = set()
+    for pod in _pod_templates(objects):
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for container in pod["containers"]:
+            if container["name"] in ("redis", "ray-head"):
+                assert "tls" not in volumes or container["name"] == "ray-head"
+                continue
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            assert {k: v for k, v in env.items() if k.startswith("SSSD_TLS_")} == {
+                "SSSD_TLS_CERT": "/etc/sssd/tls/tls.crt", "SSSD_TLS_KEY": "/etc/sssd/tls/tls.key",
+                "SSSD_TLS_CA": "/etc/sssd/tls/ca.crt"}, container["name"]
+            (mount,) = [m for m in container["volumeMounts"] if m["name"] == "tls"]
+            assert mount == {"name": "tls", "mountPath": "/etc/sssd/tls", "readOnly": True}
+            assert volumes["tls"]["secret"]["secretName"] == "sssd-tls"
+            for kind in ("readinessProbe", "livenessProbe"):
+                if kind not in container:
+                    continue
+                command = container[kind]["exec"]["command"]
+                assert command[0] == "sssd-health-probe"
+                args = build_parser().parse_args(command[1:])
+                assert args.server_name in services
+                assert args.port in {p["containerPort"] for p in container["ports"]}
+                probed.add(container["name"])
+    assert probed == {"drafter", "indexer", "speculator", "frontend"}
+
+    plain = render(VALUE_SETS["speculator"])
+    for pod in _pod_templates(plain):
+        assert "tls" not in {v["name"] for v in pod.get("volumes", [])}
+        for container in pod["containers"]:
+            assert not any(e["name"].startswith("SSSD_TLS_") for e in container.get("env", []))
+            for kind in ("readinessProbe", "livenessProbe"):
+                if container["name"] != "redis" and kind in container:
+                    assert "grpc" in container[kind]

