@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", type=Path, default=Path("var/forward-profile.json"),
                         help="forward-pass profile of the measured policy (made if missing)")
     parser.add_argument("--chunks", type=int, default=5,
-                        help="prompt chunks; configurations take turns chunk by chunk (5)")
+                        help="prompt chunks; configurations take turns chunk by chunk (5; fewer "
+                        "where a chunk would hold fewer prompts than the batch size)")
     parser.add_argument("--drafter", default="grpc", choices=("grpc", "inproc"),
                         help="drafter as a gRPC service on 127.0.0.1 (default) or in process")
     parser.add_argument("--png", type=Path, default=Path("bench/e2e.png"))
@@ -257,7 +258,9 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [prompt_token_ids(loaded.tokenizer, text)
                for text in prompt_texts(args.set, args.prompts)]
     max_len = max(len(p) for p in prompts) + args.max_tokens + 64
-    chunks = [prompts[i::args.chunks] for i in range(args.chunks)]  # mixed lengths in each
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if len(prompts) < max(batch_sizes):
+        raise SystemExit(f"--prompts {len(prompts)} cannot fill a batch of {max(batch_sizes)}")
     servers = start_drafters(loaded, {ds for mode, _, ds in configs if mode != "ar"}) \
         if args.drafter == "grpc" else {}
     rows = []
@@ -267,7 +270,11 @@ def main(argv: list[str] | None = None) -> None:
                 row.update(prompt_set=args.set, dtype=args.dtype)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-        for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        for batch in batch_sizes:
+            # Each chunk must hold at least `batch` prompts, or the batch is never full: fewer
+            # chunks for the larger batches.
+            num_chunks = max(1, min(args.chunks, len(prompts) // batch))
+            chunks = [prompts[i::num_chunks] for i in range(num_chunks)]  # mixed lengths in each
             runs = []
             for mode, policy, ds in configs:
                 logger.info("building mode=%s batch=%d policy=%s datastore=%s", mode, batch,
@@ -290,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
                     row["speedup"] = row["tok_s"] / baseline.row()["tok_s"]
                     row["speedup_median_chunk"] = statistics.median(speedups)
                     row["speedup_chunks"] = [round(x, 3) for x in speedups]
+                    row["prompts_per_chunk"] = [len(chunk) for chunk in chunks]
                     row["same_as_ar"] = sum(a == b for a, b in zip(run.outputs, baseline.outputs))
                 row.update(prompt_set=args.set, num_prompts=len(prompts), max_tokens=args.max_tokens,
                            dtype=args.dtype, drafter=args.drafter)
