@@ -14,6 +14,7 @@ exits 0 when it answers SERVING, 1 when it answers anything else or does not ans
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import grpc
@@ -28,7 +29,7 @@ def check(port: int, service: str = "", timeout_s: float = 2.0, server_name: str
 
     tls = TlsFiles.from_env()
     if server_name:
-        tls = TlsFiles(cert=tls.cert, key=tls.key, ca=tls.ca, server_name=server_name)
+        tls = dataclasses.replace(tls, server_name=server_name)
     with channel(f"{host}:{port}", tls) as ch:
         try:
             reply = health_pb2_grpc.HealthStub(ch).Check(

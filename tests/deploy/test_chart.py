@@ -152,17 +152,24 @@ def test_mode_ssd_without_the_speculator_is_refused_at_render(render):
         render({"verifier": {"engine": {"mode": "ssd"}}})
 
 
-def containers(objects):
-    """(owner kind, container) for every container of every pod template."""
+def pod_templates(objects):
+    """(owner, pod template) for every pod template: Deployments, StatefulSets, and the
+    RayCluster's head and worker groups."""
     for obj in objects:
         spec = obj.get("spec", {})
-        templates = [spec.get("template")] if obj["kind"] in ("Deployment", "StatefulSet") else []
-        if obj["kind"] == "RayCluster":
-            templates = [spec["headGroupSpec"]["template"]] + [
-                group["template"] for group in spec["workerGroupSpecs"]]
-        for template in templates:
-            for container in template["spec"]["containers"]:
-                yield obj, container
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            yield obj, spec["template"]
+        elif obj["kind"] == "RayCluster":
+            yield obj, spec["headGroupSpec"]["template"]
+            for group in spec["workerGroupSpecs"]:
+                yield obj, group["template"]
+
+
+def containers(objects):
+    """(owner, container) for every container of every pod template."""
+    for obj, template in pod_templates(objects):
+        for container in template["spec"]["containers"]:
+            yield obj, container
 
 
 def env_fields(*config_classes) -> set[str]:
@@ -258,7 +265,7 @@ def test_every_command_and_configuration_is_accepted_by_its_service(render, valu
 
 def test_services_select_their_pods_and_only_the_frontend_is_public(render):
     objects = render(VALUE_SETS["monitoring"])
-    pod_labels = list(_pod_labels(objects))
+    pod_labels = [template["metadata"]["labels"] for _, template in pod_templates(objects)]
     for service in by_kind(objects, "Service"):
         selector = service["spec"]["selector"]
         assert any(selector.items() <= labels.items() for labels in pod_labels), \
@@ -277,28 +284,6 @@ def test_services_select_their_pods_and_only_the_frontend_is_public(render):
         "frontend"
 
 
-def _pod_labels(objects):
-    for obj in objects:
-        spec = obj.get("spec", {})
-        if obj["kind"] in ("Deployment", "StatefulSet"):
-            yield spec["template"]["metadata"]["labels"]
-        elif obj["kind"] == "RayCluster":
-            yield spec["headGroupSpec"]["template"]["metadata"]["labels"]
-            for group in spec["workerGroupSpecs"]:
-                yield group["template"]["metadata"]["labels"]
-
-
-def _pod_templates(objects):
-    for obj in objects:
-        spec = obj.get("spec", {})
-        if obj["kind"] in ("Deployment", "StatefulSet"):
-            yield spec["template"]["spec"]
-        elif obj["kind"] == "RayCluster":
-            yield spec["headGroupSpec"]["template"]["spec"]
-            for group in spec["workerGroupSpecs"]:
-                yield group["template"]["spec"]
-
-
 def test_tls_mounts_the_secret_into_every_sssd_process_and_probes_through_it(render):
     """With tls.secretName every container that runs sssd code (or hosts its Ray actors) gets
     the Secret's three files, read-only, and SSSD_TLS_* pointing at them; the gRPC probes
@@ -309,11 +294,13 @@ def test_tls_mounts_the_secret_into_every_sssd_process_and_probes_through_it(ren
     objects = render(VALUE_SETS["tls"])
     services = {s["metadata"]["name"] for s in by_kind(objects, "Service")}
     probed = set()
-    for pod in _pod_templates(objects):
+    for _, template in pod_templates(objects):
+        pod = template["spec"]
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
         for container in pod["containers"]:
-            if container["name"] in ("redis", "ray-head"):
-                assert "tls" not in volumes or container["name"] == "ray-head"
+            if container["name"] == "redis":  # password only, no gRPC
+                assert "tls" not in volumes
+            if container["name"] in ("redis", "ray-head"):  # ray start runs no sssd code
                 continue
             env = {e["name"]: e.get("value") for e in container.get("env", [])}
             assert {k: v for k, v in env.items() if k.startswith("SSSD_TLS_")} == {
@@ -334,7 +321,8 @@ def test_tls_mounts_the_secret_into_every_sssd_process_and_probes_through_it(ren
     assert probed == {"drafter", "indexer", "speculator", "frontend"}
 
     plain = render(VALUE_SETS["speculator"])
-    for pod in _pod_templates(plain):
+    for _, template in pod_templates(plain):
+        pod = template["spec"]
         assert "tls" not in {v["name"] for v in pod.get("volumes", [])}
         for container in pod["containers"]:
             assert not any(e["name"].startswith("SSSD_TLS_") for e in container.get("env", []))

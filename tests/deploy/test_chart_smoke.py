@@ -33,7 +33,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 pytest.importorskip("helm_python")
 pytest.importorskip("ray")
@@ -129,9 +128,10 @@ class LocalCluster:
             if process.poll() is not None:
                 pytest.fail(f"{name} exited with {process.returncode}:\n"
                             f"{log.read_text()[-3000:]}")
-            if "grpc" in probe and grpc_serving(ports[probe["grpc"]["port"]]):
-                return
-            if "exec" in probe and self.exec_probe(probe["exec"]["command"], container, ports):
+            # The kubelet's gRPC probe (plaintext) is the check sssd-health-probe makes.
+            command = ["sssd-health-probe", "--port", str(probe["grpc"]["port"])] \
+                if "grpc" in probe else probe["exec"]["command"]
+            if self.exec_probe(command, container, ports):
                 return
             time.sleep(0.5)
         pytest.fail(f"{name} never passed its readiness probe:\n{log.read_text()[-3000:]}")
@@ -170,16 +170,6 @@ def executable(name: str) -> str:
         return redis_server_binary()
     local = Path(sys.executable).with_name(name)  # the console scripts of this environment
     return str(local) if local.exists() else name
-
-
-def grpc_serving(port: int) -> bool:
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            answer = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=2)
-        return answer.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
 
 
 def redis_answers(ports: dict[int, int], env: dict[str, str]) -> bool:
