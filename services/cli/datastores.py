@@ -67,19 +67,18 @@ def ensure_sharegpt_datastore(root: Path, tokenizer, num_records: int) -> Path:
     return directory
 
 
-def largest_self_output_datastore(min_conversations: int = MIN_SELF_OUTPUT_CONVERSATIONS
-                                  ) -> Path | None:
-    """The largest `datastore-N` of SELF_OUTPUTS_DIR with N >= min_conversations, or None."""
-    built = [p for p in SELF_OUTPUTS_DIR.glob("datastore-*")
-             if p.name.split("-")[1].isdigit() and has_shards(p)]
+def largest_self_output_datastore() -> Path | None:
+    """The largest `datastore-N` of SELF_OUTPUTS_DIR, if N >= MIN_SELF_OUTPUT_CONVERSATIONS."""
+    built = {int(p.name.split("-")[1]): p for p in SELF_OUTPUTS_DIR.glob("datastore-*")
+             if p.name.split("-")[1].isdigit() and has_shards(p)}
     if not built:
         return None
-    largest = max(built, key=lambda p: int(p.name.split("-")[1]))
-    if int(largest.name.split("-")[1]) < min_conversations:
+    conversations = max(built)
+    if conversations < MIN_SELF_OUTPUT_CONVERSATIONS:
         logger.info("not serving %s: fewer than %d conversations (pass --datastore to use it)",
-                    largest, min_conversations)
+                    built[conversations], MIN_SELF_OUTPUT_CONVERSATIONS)
         return None
-    return largest
+    return built[conversations]
 
 
 def pick_datastore(explicit: Path | None, tokenizer,
