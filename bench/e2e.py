@@ -16,6 +16,10 @@ Prints one JSON object per (mode, batch, policy) on stdout:
   tok_s                       output tokens per second of wall time (prefill included)
   speedup                     tok_s / tok_s of ar at the same batch size
   tokens_per_step             tokens emitted per sequence per verification step (accepted + 1)
+  rows_per_step               sequences per verification step: below the batch size while a
+                              chunk drains (its last sequences run alone; speculation finishes
+                              the easy ones sooner and so drains more); chunks of many times the
+                              batch size keep the batch full, as a loaded server does
   draft_accepted_per_step     draft tokens accepted per sequence per step (tokens_per_step - 1)
   draft_ms_per_step           mean wall time of the batched drafter call per step
   verify_ms_per_step          mean wall time of the verification forward pass per step
@@ -108,6 +112,7 @@ class Run:
             "tok_s": num_tokens / self.elapsed, "elapsed_s": self.elapsed,
             "num_tokens": num_tokens,
             "tokens_per_step": stats.mean_accepted_per_step,
+            "rows_per_step": stats.num_row_steps / steps,
             "draft_accepted_per_step": stats.num_accepted / max(stats.num_row_steps, 1),
             "draft_ms_per_step": 1e3 * stats.draft_s / steps,
             "verify_ms_per_step": 1e3 * stats.verify_s / steps,

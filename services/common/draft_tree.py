@@ -53,3 +53,14 @@ class DraftTree:
             parents=np.array([-1], dtype=np.int32),
             probs=np.ones(1, dtype=np.float32),
         )
+
+    def prefix(self, num_nodes: int) -> "DraftTree":
+        """The first `num_nodes` nodes: a tree, as parents come before children. For the
+        drafters that insert nodes best-first (ALGORITHM.md, "Output") it is the tree they
+        would have drafted at that budget."""
+        if num_nodes >= self.num_nodes:
+            return self
+        if num_nodes < 1:
+            raise ValueError(f"a tree keeps at least its root, asked for {num_nodes} nodes")
+        return DraftTree(self.token_ids[:num_nodes], self.parents[:num_nodes],
+                         None if self.probs is None else self.probs[:num_nodes])

@@ -84,6 +84,13 @@ class Proposer(Protocol):
         ...
 
 
+# A proposer may set a class attribute `hindsight_drafts = True` when its tree of budget s is
+# the first s nodes of its tree of any larger budget (nodes inserted best-first) and drafting a
+# large tree costs little next to a forward pass: the measured budget policy then sometimes
+# drafts larger trees than it verifies and scores the rest in hindsight
+# (sssd.verifier.engine.hindsight). The n-gram drafters set it; the SSD speculator does not.
+
+
 @runtime_checkable
 class CountingProposer(Proposer, Protocol):
     """A proposer with counters of its own to report (the SSD client: cache hits, misses,

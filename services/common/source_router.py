@@ -120,6 +120,13 @@ class SourceRouter:
     def sources(self) -> tuple[str, ...]:
         return tuple(self.proposers)
 
+    @property
+    def hindsight_drafts(self) -> bool:
+        """A lone source's: with several, a tree drafted larger than is verified would skew
+        the tokens per step the chooser compares the sources by."""
+        return len(self.proposers) == 1 and \
+            getattr(next(iter(self.proposers.values())), "hindsight_drafts", False)
+
     def source_of(self, seq_id: str) -> str | None:
         return self._source_of.get(seq_id)
 

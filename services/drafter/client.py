@@ -43,6 +43,8 @@ def _from_proto(tree: drafter_pb2.DraftTree) -> DraftTree:
 class RemoteDrafter:
     """A client of one drafter replica (`sssd-drafter`) at `target` ("host:port")."""
 
+    hindsight_drafts = True  # the service drafts as the in-process Drafter does
+
     def __init__(self, target: str, timeout_s: float = 1.0,
                  tls_files: tls.TlsFiles | None = None) -> None:
         """`tls_files`: TLS to the drafter (default: SSSD_TLS_*, see sssd.common.tls)."""

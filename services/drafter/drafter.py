@@ -34,6 +34,8 @@ class Drafter:
             trees = drafter.propose([DraftRequest("seq-1", prompt_ids, 8, is_start=True)])
     """
 
+    hindsight_drafts = True  # trees are best-first and cheap: see sssd.common.drafting
+
     def __init__(self, config: DrafterConfig) -> None:
         self.config = config
         self._is_started = False

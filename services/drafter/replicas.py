@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 class ReplicatedDrafter:
     """A `Proposer` over drafter replicas with per-sequence stickiness; see the module doc."""
 
+    hindsight_drafts = True  # every replica drafts as the in-process Drafter does
+
     def __init__(self, resolver: Resolver, timeout_s: float = 1.0,
                  resolve_interval_s: float = 5.0, down_s: float = 5.0,
                  client: Callable[[str, float], Proposer] = RemoteDrafter) -> None:

@@ -47,8 +47,27 @@ class BudgetPolicy(Protocol):
                 verify_s: float) -> None:
         """After a step at `budget`: per row, the tree nodes of its accepted path."""
 
+    def draft_budget(self, batch_size: int, budget: int) -> int:
+        """The budget to draft at when `budget` is verified: larger on the steps whose extra
+        nodes are to be scored in hindsight (`hindsight.py`), else `budget`. Called only for
+        proposers whose trees are best-first and cheap to draft (`Proposer.hindsight_drafts`)."""
 
-class FixedBudget:
+    def observe_hindsight(self, batch_size: int, verified_budget: int,
+                          accepted_nodes: Sequence[Sequence[int]]) -> None:
+        """A step's drafted trees scored in hindsight: per row, the accepted path through the
+        whole tree, of which nodes below `verified_budget` were verified too."""
+
+
+class _NoHindsight:
+    def draft_budget(self, batch_size: int, budget: int) -> int:
+        return budget
+
+    def observe_hindsight(self, batch_size: int, verified_budget: int,
+                          accepted_nodes: Sequence[Sequence[int]]) -> None:
+        pass
+
+
+class FixedBudget(_NoHindsight):
     """Always the same budget; 1 means plain autoregressive decoding."""
 
     def __init__(self, budget: int) -> None:
@@ -62,7 +81,7 @@ class FixedBudget:
         pass
 
 
-class RuleBudget:
+class RuleBudget(_NoHindsight):
     def __init__(self, knee_intensity: float, max_budget: int) -> None:
         self.knee_intensity = knee_intensity
         self.max_budget = max_budget
@@ -153,28 +172,36 @@ class MeasuredBudget:
     The estimates start from a prior (acceptance statistics saved by an earlier run, else
     DEFAULT_ACCEPTANCE_PRIOR), which counts as PRIOR_WEIGHT steps: a fresh server speculates
     from its first step and learns its own acceptance from there. Without a prior the first step
-    runs at the largest budget (measuring all of them at once). Larger budgets than the one in
-    use are learned by exploration: every `explore_every`-th step runs at the next larger budget
-    than the best, or every FAR_EXPLORE_FACTOR * `explore_every`-th step while that budget's
-    estimated rate is more than FAR_BEHIND below the best's (on a machine where drafts do not
-    pay, exploring costs about 1 %, not the 8 % of a fixed schedule). Near-ties go to the
-    smaller budget: it costs less drafting and cache room for nothing. With `stats_path` the estimates are saved every SAVE_EVERY steps, to be the next
-    start's prior.
+    runs at the largest budget (measuring all of them at once).
+
+    Larger budgets than the one in use are learned in hindsight where the proposer allows it:
+    every `hindsight_every`-th step drafts at the largest budget, verifies only the first
+    `budget` nodes, and scores the rest against the tokens the sequence goes on to emit
+    (`hindsight.py`), at the cost of a drafter call instead of a larger forward pass. Until the
+    first such score arrives (and always for other proposers) they are learned by exploration:
+    every `explore_every`-th step runs at the next larger budget than the best, or every
+    FAR_EXPLORE_FACTOR * `explore_every`-th step while that budget's estimated rate is more than
+    FAR_BEHIND below the best's. Near-ties go to the smaller budget: it costs less drafting and
+    cache room for nothing. With `stats_path` the estimates are saved every SAVE_EVERY steps,
+    to be the next start's prior.
     """
 
     def __init__(self, profile: ForwardProfile, max_budget: int, decay: float = 0.05,
                  explore_every: int = 8, tie_tolerance: float = 0.03,
                  prior: dict[int, float] | None = None,
-                 stats_path: str | os.PathLike | None = None) -> None:
+                 stats_path: str | os.PathLike | None = None, hindsight_every: int = 4) -> None:
         self.profile = profile
         self.candidates = sorted(((j, s) for j, s in enumerate(profile.budgets) if s <= max_budget),
                                  key=lambda candidate: candidate[1])  # ascending budgets
         if not self.candidates:
             raise ValueError("no profiled budget is <= max_budget")
-        if not 0 < decay <= 1 or explore_every < 2:
-            raise ValueError("need 0 < decay <= 1 and explore_every >= 2")
+        if not 0 < decay <= 1 or explore_every < 2 or hindsight_every < 0:
+            raise ValueError("need 0 < decay <= 1, explore_every >= 2 and hindsight_every >= 0")
         self.decay = decay
         self.explore_every = explore_every
+        self.hindsight_every = hindsight_every  # 0: never draft beyond the verified budget
+        self._num_draft_calls = 0
+        self._has_hindsight = False  # scores in hindsight arrive: no exploration needed
         self.tie_tolerance = tie_tolerance
         # Mean accepted draft tokens per row at each budget; None until first observed.
         self.expected_accepted: dict[int, float | None] = {s: None for _, s in self.candidates}
@@ -204,7 +231,7 @@ class MeasuredBudget:
         rates = [rate(index, s) for index, s in self.candidates]
         threshold = (1.0 - self.tie_tolerance) * max(rates)
         best = next(i for i, r in enumerate(rates) if r >= threshold)  # smallest near-best
-        if best + 1 < len(self.candidates):
+        if best + 1 < len(self.candidates) and not self._has_hindsight:
             # The next larger budget is explored often while it is close to the best, rarely
             # once it is far behind: exploring a clear loser costs its whole gap every time.
             close = rates[best + 1] >= (1.0 - FAR_BEHIND) * rates[best]
@@ -231,16 +258,37 @@ class MeasuredBudget:
         for _, s in self.candidates:
             if s > budget:
                 break
-            mean = float(np.mean([sum(1 for node in path if node < s)
-                                  for path in accepted_nodes]))
-            # A running mean while few steps are behind the estimate, then a moving average.
-            self._weights[s] += 1
-            rate = max(self.decay, 1.0 / self._weights[s])
-            old = self.expected_accepted[s]
-            self.expected_accepted[s] = mean if old is None else old + rate * (mean - old)
+            self._learn_acceptance(s, accepted_nodes)
         self._num_observed += 1
         if self.stats_path is not None and self._num_observed % SAVE_EVERY == 0:
             self.save_stats(self.stats_path)
+
+    def draft_budget(self, batch_size: int, budget: int) -> int:
+        largest = self.candidates[-1][1]
+        if not self.hindsight_every or budget >= largest:
+            return budget
+        self._num_draft_calls += 1
+        return largest if self._num_draft_calls % self.hindsight_every == 0 else budget
+
+    def observe_hindsight(self, batch_size: int, verified_budget: int,
+                          accepted_nodes: Sequence[Sequence[int]]) -> None:
+        """Learns the budgets above `verified_budget` (`observe` learned the others)."""
+        if not accepted_nodes:
+            return
+        self._has_hindsight = True
+        for _, s in self.candidates:
+            if s > verified_budget:
+                self._learn_acceptance(s, accepted_nodes)
+
+    def _learn_acceptance(self, s: int, accepted_nodes: Sequence[Sequence[int]]) -> None:
+        """What a tree of budget s, the first s nodes, accepted: each path cut at its first
+        node >= s (indices grow along a path)."""
+        mean = float(np.mean([sum(1 for node in path if node < s) for path in accepted_nodes]))
+        # A running mean while few steps are behind the estimate, then a moving average.
+        self._weights[s] += 1
+        rate = max(self.decay, 1.0 / self._weights[s])
+        old = self.expected_accepted[s]
+        self.expected_accepted[s] = mean if old is None else old + rate * (mean - old)
 
     def save_stats(self, path: str | os.PathLike) -> None:
         """The acceptance estimates, as the prior of a later start (`load_acceptance`)."""

@@ -27,6 +27,7 @@ from sssd.verifier.engine.acceptance import AcceptResult, accept_at_positions, a
 from sssd.verifier.engine.budget_policy import BudgetPolicy
 from sssd.verifier.engine.detokenizer import Decode, IncrementalDetokenizer, find_stop
 from sssd.verifier.engine.handoff import PrefilledPrompt
+from sssd.verifier.engine.hindsight import HindsightTracker
 from sssd.verifier.engine.model_runner import ModelRunner
 from sssd.verifier.engine.output import EngineStats, RowOutput, StepOutput
 from sssd.verifier.engine.request import GenerateRequest, RequestLimits, SamplingParams
@@ -73,6 +74,10 @@ class Engine:
         sources = proposer.sources if isinstance(proposer, SourceRouter) else ()
         self.limits = RequestLimits.for_context(runner.vocab_size, runner.max_len, sources)
         self.stats = EngineStats()
+        # Larger trees than are verified, scored against the output later (hindsight.py): only
+        # for proposers whose trees are best-first and cheap to draft.
+        self._hindsight = HindsightTracker() \
+            if getattr(proposer, "hindsight_drafts", False) else None
         # Default request ids are unique per engine: engines that share a drafter service must
         # not collide on its per-sequence state.
         self._id_prefix = secrets.token_hex(4)
@@ -123,6 +128,8 @@ class Engine:
         seq = self.scheduler.abort(request_id)
         if seq is not None:
             self._end_in_proposer([seq])
+            if self._hindsight is not None:
+                self._hindsight.forget(seq)
         return seq
 
     def generate(self, prompts: Seq[Seq[int]], max_tokens: int,
@@ -170,6 +177,10 @@ class Engine:
                                              result.num_accepted, row_budget, is_verified=True)
         self.budget_policy.observe(len(running), budget, [r.accepted_nodes for r in results],
                                    verify_s)
+        if self._hindsight is not None:  # the tokens just emitted decide earlier trees
+            for decided in self._hindsight.decided():
+                self.budget_policy.observe_hindsight(decided.batch_size, decided.verified_budget,
+                                                     decided.paths)
         num_verified = len(running)
         finished += self._retire()
         output = StepOutput(list(rows.values()), finished, num_verified, budget,
@@ -202,6 +213,21 @@ class Engine:
         return int(sample_with_uniforms(probs, uniforms)[0])
 
     def _draft(self, budget: int) -> _Drafts:
+        """The trees to verify at `budget`. On the policy's hindsight steps it drafts larger
+        trees, keeps them for scoring later, and returns their first `budget` nodes."""
+        running = self.scheduler.running
+        draft_budget = budget
+        if self._hindsight is not None:
+            draft_budget = self.budget_policy.draft_budget(len(running), budget)
+        drafts = self._propose(draft_budget)
+        if draft_budget <= budget or drafts.is_fallback:
+            return drafts
+        self._hindsight.add(len(running), budget, running, drafts.trees)
+        return _Drafts([tree.prefix(budget) for tree in drafts.trees],
+                       [min(budget, row_budget) for row_budget in drafts.budgets],
+                       drafts.draft_s, drafts.num_errors)
+
+    def _propose(self, budget: int) -> _Drafts:
         running = self.scheduler.running
         roots = [DraftTree.root_only(seq.last_token) for seq in running]
         no_drafts = _Drafts(roots, [1] * len(running))
