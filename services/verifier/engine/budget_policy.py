@@ -44,8 +44,10 @@ class BudgetPolicy(Protocol):
     def budget(self, batch_size: int) -> int: ...
 
     def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
-                verify_s: float) -> None:
-        """After a step at `budget`: per row, the tree nodes of its accepted path."""
+                step_s: float | None) -> None:
+        """After a step at `budget`: per row, the tree nodes of its accepted path; the seconds
+        the step's speculation work took (drafting, verification, acceptance), None when they
+        say nothing about `budget` (a step that drafted a larger tree than it verified)."""
 
     def draft_budget(self, batch_size: int, budget: int) -> int:
         """The budget to draft at when `budget` is verified: larger on the steps whose extra
@@ -77,7 +79,7 @@ class FixedBudget(_NoHindsight):
         return self._budget
 
     def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
-                verify_s: float) -> None:
+                step_s: float | None) -> None:
         pass
 
 
@@ -90,7 +92,7 @@ class RuleBudget(_NoHindsight):
         return speculation_budget(batch_size, self.knee_intensity, self.max_budget)
 
     def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
-                verify_s: float) -> None:
+                step_s: float | None) -> None:
         pass
 
 
@@ -165,9 +167,11 @@ class MeasuredBudget:
     (node indices grow along a path, parents before children). So every step updates the
     estimate of all budgets up to its own, with an exponential moving average per budget.
 
-    Step times start from the profile, which was measured on one synthetic context length, worth
-    PROFILE_WEIGHT steps; the verification times the engine observes at (b, s_q) move them, a
-    running mean at first and a moving average later, until they replace the profile's.
+    Step times start from the profile, which was measured on one synthetic context length and
+    times the forward pass alone, worth PROFILE_WEIGHT steps; the step times the engine observes
+    at (b, s_q), drafting and acceptance included, move them, a running mean at first and a
+    moving average later, until they replace the profile's. (A profile is reused across starts,
+    and a step costs more than its forward pass: a budget's true cost is known only once it ran.)
 
     The estimates start from a prior (acceptance statistics saved by an earlier run, else
     DEFAULT_ACCEPTANCE_PRIOR), which counts as PRIOR_WEIGHT steps: a fresh server speculates
@@ -181,8 +185,12 @@ class MeasuredBudget:
     first such score arrives (and always for other proposers) they are learned by exploration:
     every `explore_every`-th step runs at the next larger budget than the best, or every
     FAR_EXPLORE_FACTOR * `explore_every`-th step while that budget's estimated rate is more than
-    FAR_BEHIND below the best's. Near-ties go to the smaller budget: it costs less drafting and
-    cache room for nothing. With `stats_path` the estimates are saved every SAVE_EVERY steps,
+    FAR_BEHIND below the best's. With hindsight, acceptance is known for every budget, and
+    what is left to learn is what the neighbouring budgets' steps really cost: the next smaller
+    budget is explored on that schedule (down to budget 1, the fallback, whose profiled time
+    may be off by as much as speculation gains at a large batch) and the next larger one half
+    as often.
+    Near-ties go to the smaller budget: it costs less drafting and cache room for nothing. With `stats_path` the estimates are saved every SAVE_EVERY steps,
     to be the next start's prior.
     """
 
@@ -201,7 +209,7 @@ class MeasuredBudget:
         self.explore_every = explore_every
         self.hindsight_every = hindsight_every  # 0: never draft beyond the verified budget
         self._num_draft_calls = 0
-        self._has_hindsight = False  # scores in hindsight arrive: no exploration needed
+        self._has_hindsight = False  # scores in hindsight arrive: explore downwards
         self.tie_tolerance = tie_tolerance
         # Mean accepted draft tokens per row at each budget; None until first observed.
         self.expected_accepted: dict[int, float | None] = {s: None for _, s in self.candidates}
@@ -231,30 +239,27 @@ class MeasuredBudget:
         rates = [rate(index, s) for index, s in self.candidates]
         threshold = (1.0 - self.tie_tolerance) * max(rates)
         best = next(i for i, r in enumerate(rates) if r >= threshold)  # smallest near-best
-        if best + 1 < len(self.candidates) and not self._has_hindsight:
-            # The next larger budget is explored often while it is close to the best, rarely
-            # once it is far behind: exploring a clear loser costs its whole gap every time.
-            close = rates[best + 1] >= (1.0 - FAR_BEHIND) * rates[best]
-            every = self.explore_every if close else FAR_EXPLORE_FACTOR * self.explore_every
-            if self._num_calls % every == 0:
-                return self.candidates[best + 1][1]
+        # Without hindsight the next larger budget is explored (its acceptance); with it the
+        # next smaller one (its step time) and, half as often, the next larger one (its step
+        # time: one slow step must not price it out for good). Often while the neighbour is
+        # close to the best, rarely once it is far behind, since exploring a clear loser costs
+        # its whole gap every time.
+        neighbours = [(best - 1, 1, 0), (best + 1, 2, self.explore_every)] \
+            if self._has_hindsight else [(best + 1, 1, 0)]
+        for other, slower, offset in neighbours:
+            if 0 <= other < len(self.candidates):
+                close = rates[other] >= (1.0 - FAR_BEHIND) * rates[best]
+                every = slower * self.explore_every * (1 if close else FAR_EXPLORE_FACTOR)
+                if (self._num_calls + offset) % every == 0:
+                    return self.candidates[other][1]
         return self.candidates[best][1]
 
     def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
-                verify_s: float) -> None:
+                step_s: float | None) -> None:
         if not accepted_nodes:
             return
-        key = (batch_size, budget)
-        old_seconds = self.observed_seconds.get(key)
-        if old_seconds is None:
-            # The profile's time is the prior, worth PROFILE_WEIGHT steps: one slow step (the
-            # first tree of a shape, a busy moment) must not price a budget out for good.
-            index = next((j for j, s in self.candidates if s == budget), None)
-            old_seconds = verify_s if index is None else self.profile.time(batch_size, index)
-            self._seconds_weights[key] = 0 if index is None else PROFILE_WEIGHT
-        self._seconds_weights[key] += 1
-        rate = max(self.decay, 1.0 / self._seconds_weights[key])
-        self.observed_seconds[key] = old_seconds + rate * (verify_s - old_seconds)
+        if step_s is not None:
+            self._learn_seconds(batch_size, budget, step_s)
         for _, s in self.candidates:
             if s > budget:
                 break
@@ -262,6 +267,19 @@ class MeasuredBudget:
         self._num_observed += 1
         if self.stats_path is not None and self._num_observed % SAVE_EVERY == 0:
             self.save_stats(self.stats_path)
+
+    def _learn_seconds(self, batch_size: int, budget: int, step_s: float) -> None:
+        key = (batch_size, budget)
+        old_seconds = self.observed_seconds.get(key)
+        if old_seconds is None:
+            # The profile's time is the prior, worth PROFILE_WEIGHT steps: one slow step (the
+            # first tree of a shape, a busy moment) must not price a budget out for good.
+            index = next((j for j, s in self.candidates if s == budget), None)
+            old_seconds = step_s if index is None else self.profile.time(batch_size, index)
+            self._seconds_weights[key] = 0 if index is None else PROFILE_WEIGHT
+        self._seconds_weights[key] += 1
+        rate = max(self.decay, 1.0 / self._seconds_weights[key])
+        self.observed_seconds[key] = old_seconds + rate * (step_s - old_seconds)
 
     def draft_budget(self, batch_size: int, budget: int) -> int:
         largest = self.candidates[-1][1]

@@ -47,6 +47,7 @@ class _Drafts:
     draft_s: float = 0.0
     num_errors: int = 0
     is_fallback: bool = False
+    is_hindsight: bool = False  # drafted larger than verified, to score the rest in hindsight
 
 
 class Engine:
@@ -159,6 +160,7 @@ class Engine:
             self.stats.add(output)
             return output
         budget = self.budget_policy.budget(len(running))
+        step_start = time.perf_counter()
         drafts = self._draft(budget)
         start = time.perf_counter()
         logits = self.runner.verify(drafts.trees)  # [num_seqs, max_nodes, vocab_size]
@@ -175,8 +177,11 @@ class Engine:
                 token_ids = earlier.token_ids + token_ids
             rows[seq.request_id] = RowOutput(seq.request_id, token_ids, seq.text,
                                              result.num_accepted, row_budget, is_verified=True)
+        # The policy prices a budget by the whole step's speculation work; a step that drafted
+        # a larger tree than it verified says nothing about the cost of `budget`.
+        step_s = None if drafts.is_hindsight else time.perf_counter() - step_start
         self.budget_policy.observe(len(running), budget, [r.accepted_nodes for r in results],
-                                   verify_s)
+                                   step_s)
         if self._hindsight is not None:  # the tokens just emitted decide earlier trees
             for decided in self._hindsight.decided():
                 self.budget_policy.observe_hindsight(decided.batch_size, decided.verified_budget,
@@ -225,7 +230,7 @@ class Engine:
         self._hindsight.add(len(running), budget, running, drafts.trees)
         return _Drafts([tree.prefix(budget) for tree in drafts.trees],
                        [min(budget, row_budget) for row_budget in drafts.budgets],
-                       drafts.draft_s, drafts.num_errors)
+                       drafts.draft_s, drafts.num_errors, is_hindsight=True)
 
     def _propose(self, budget: int) -> _Drafts:
         running = self.scheduler.running

@@ -98,20 +98,49 @@ def test_policy_drafts_largest_tree_every_nth_step_and_learns_only_above():
     assert policy.expected_accepted[32] == pytest.approx(3.0, abs=0.05)
 
 
-def test_policy_stops_exploring_once_hindsight_arrives():
-    # Nothing is ever accepted, on verified steps and in hindsight: without hindsight the policy
-    # explores budget 2 now and then; with it, it never leaves budget 1.
+def test_policy_explores_less_once_hindsight_arrives():
+    # Nothing is ever accepted, on verified steps and in hindsight, and at b = 1 every budget
+    # costs the same. Without hindsight the policy explores budget 2 every 8th step (its
+    # acceptance is unknown); with it, acceptance is known, and budget 2 is tried for its step
+    # time only, every 16th step.
     policy = MeasuredBudget(steep_profile(), max_budget=32, prior={s: 0.0 for s in
                                                                    (1, 2, 4, 8, 16, 32)})
     chosen = []
-    for step in range(200):
+    for step in range(356):
+        s = policy.budget(1)
+        chosen.append(s)
+        policy.observe(1, s, [[]], 0.04)
+        if step == 99:
+            policy.observe_hindsight(1, 1, [[]])
+    assert chosen[:100].count(2) == 12
+    assert chosen[100:].count(2) == 16
+    assert set(chosen) == {1, 2}
+
+
+def test_policy_learns_the_fallback_cost_by_exploring_downwards():
+    # The profile overprices budget 1 at b = 8 (0.05 s; the steps really take 0.04 s) and
+    # underprices budget 2 (0.065 s; really 0.085 s), and every row accepts one draft: by the
+    # profile budget 2 pays (2 tokens for 1.3x an AR step), by the true costs it does not. The
+    # policy starts at budget 2, tries budget 1 now and then, learns its true cost, falls back.
+    policy = MeasuredBudget(steep_profile(), max_budget=32, prior={1: 0.0, 2: 1.0, 4: 1.0,
+                                                                   8: 1.0, 16: 1.0, 32: 1.0})
+    true_seconds = {1: 0.04, 2: 0.085, 4: 0.1, 8: 0.12, 16: 0.14, 32: 0.16}
+    policy.observe_hindsight(8, 1, [[1]] * 8)
+    chosen = []
+    for _ in range(1000):
         s = policy.budget(8)
         chosen.append(s)
-        policy.observe(8, s, [[]] * 8, 0.05)
-        if step == 99:
-            policy.observe_hindsight(8, 1, [[]] * 8)
-    assert set(chosen[:100]) == {1, 2}
-    assert set(chosen[100:]) == {1}
+        policy.observe(8, s, [[1] if s > 1 else []] * 8, true_seconds[s])
+    assert chosen[0] == 2
+    assert 1 in chosen[:100]  # explored: rarely, as budget 2 looks far ahead by the profile
+    assert chosen[-100:].count(1) >= 90  # fallen back; budget 2 explored now and then
+
+
+def test_steps_that_drafted_more_than_they_verified_leave_the_step_times_alone():
+    policy = MeasuredBudget(steep_profile(), max_budget=32)
+    policy.observe(8, 1, [[]] * 8, None)
+    assert policy.observed_seconds == {}
+    assert policy.expected_accepted[1] == 0.0  # the acceptance was still learned
 
 
 def test_hindsight_paths_equal_verified_paths(engine_factory, mt_bench_prompts, warm_datastore):
@@ -132,7 +161,7 @@ def test_hindsight_paths_equal_verified_paths(engine_factory, mt_bench_prompts, 
         def draft_budget(self, batch_size, budget):
             return 16
 
-        def observe(self, batch_size, budget, accepted_nodes, verify_s):
+        def observe(self, batch_size, budget, accepted_nodes, step_s):
             self.verified[self.position] = list(accepted_nodes[0])
 
         def observe_hindsight(self, batch_size, verified_budget, accepted_nodes):
