@@ -189,9 +189,9 @@ class MeasuredBudget:
     what is left to learn is what the neighbouring budgets' steps really cost: the next smaller
     budget is explored on that schedule (down to budget 1, the fallback, whose profiled time
     may be off by as much as speculation gains at a large batch) and the next larger one half
-    as often.
-    Near-ties go to the smaller budget: it costs less drafting and cache room for nothing. With `stats_path` the estimates are saved every SAVE_EVERY steps,
-    to be the next start's prior.
+    as often. Near-ties go to the smaller budget: it costs less drafting and cache room for
+    nothing. With `stats_path` the estimates are saved every SAVE_EVERY steps, to be the next
+    start's prior.
     """
 
     def __init__(self, profile: ForwardProfile, max_budget: int, decay: float = 0.05,
