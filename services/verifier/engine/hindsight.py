@@ -33,6 +33,7 @@ class _Row:
     seq: Sequence
     start: int  # len(seq.output_ids) when drafted: the emitted continuation starts there
     children: dict[tuple[int, int], int]  # (parent node, token id) -> node
+    inner: frozenset[int]  # nodes that have children
     path: list[int] = field(default_factory=list)  # accepted nodes so far, root excluded
     is_decided: bool = False
 
@@ -47,7 +48,7 @@ class _Row:
                 return
             self.path.append(child)
             node = child
-        if self.seq.is_finished or not any(parent == node for parent, _ in self.children):
+        if self.seq.is_finished or node not in self.inner:
             self.is_decided = True  # the output ended, or a leaf: nothing more can match
 
 
@@ -84,7 +85,8 @@ class HindsightTracker:
                 continue
             children = {(int(parent), int(token)): node for node, (parent, token)
                         in enumerate(zip(tree.parents[1:], tree.token_ids[1:]), start=1)}
-            rows.append(_Row(seq, len(seq.output_ids), children))
+            rows.append(_Row(seq, len(seq.output_ids), children,
+                             frozenset(parent for parent, _ in children)))
         if rows:
             self._groups.append(_Group(batch_size, verified_budget, rows))
             del self._groups[:-MAX_PENDING_GROUPS]
