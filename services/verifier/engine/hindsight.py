@@ -23,6 +23,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from sssd.common.draft_tree import DraftTree
+from sssd.verifier.engine.acceptance import TreeIndex
 from sssd.verifier.engine.sequence import Sequence
 
 MAX_PENDING_GROUPS = 256  # older undecided groups are dropped (a sequence stalled or aborted)
@@ -32,23 +33,23 @@ MAX_PENDING_GROUPS = 256  # older undecided groups are dropped (a sequence stall
 class _Row:
     seq: Sequence
     start: int  # len(seq.output_ids) when drafted: the emitted continuation starts there
-    children: dict[tuple[int, int], int]  # (parent node, token id) -> node
-    inner: frozenset[int]  # nodes that have children
+    tree: TreeIndex
     path: list[int] = field(default_factory=list)  # accepted nodes so far, root excluded
     is_decided: bool = False
 
     def advance(self) -> None:
         """Follows the path along the tokens emitted since the last call."""
-        emitted = self.seq.output_ids
+        tree, emitted = self.tree, self.seq.output_ids
         node = self.path[-1] if self.path else 0
         for token in emitted[self.start + len(self.path):]:
-            child = self.children.get((node, token))
+            # The first child in tree order on a tie, as verification takes (accept_greedy).
+            child = next((c for c in tree.children[node] if tree.token_ids[c] == token), None)
             if child is None:
                 self.is_decided = True
                 return
             self.path.append(child)
             node = child
-        if self.seq.is_finished or node not in self.inner:
+        if self.seq.is_finished or not tree.children[node]:
             self.is_decided = True  # the output ended, or a leaf: nothing more can match
 
 
@@ -83,10 +84,7 @@ class HindsightTracker:
         for seq, tree in zip(sequences, trees):
             if tree.num_nodes <= 1:
                 continue
-            children = {(int(parent), int(token)): node for node, (parent, token)
-                        in enumerate(zip(tree.parents[1:], tree.token_ids[1:]), start=1)}
-            rows.append(_Row(seq, len(seq.output_ids), children,
-                             frozenset(parent for parent, _ in children)))
+            rows.append(_Row(seq, len(seq.output_ids), TreeIndex(tree.token_ids, tree.parents)))
         if rows:
             self._groups.append(_Group(batch_size, verified_budget, rows))
             del self._groups[:-MAX_PENDING_GROUPS]

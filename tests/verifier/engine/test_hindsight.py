@@ -51,6 +51,15 @@ def test_leaf_and_first_token_mismatch_and_finish_decide():
     assert decided.paths == [[2, 4], [], [1]]
 
 
+def test_duplicate_siblings_follow_the_first_as_verification_does():
+    seq = FakeSequence([5])
+    tracker = HindsightTracker()
+    tracker.add(1, 1, [seq], [tree([5, 7, 7, 8], [-1, 0, 0, 2])])  # only the second 7 goes on
+    seq.output_ids += [7, 8]
+    [decided] = tracker.decided()
+    assert decided.paths == [[1]]  # node 1, a leaf, like accept_greedy's walk
+
+
 def test_rows_without_drafts_are_skipped_and_aborted_rows_forgotten():
     kept, aborted, plain = FakeSequence([5]), FakeSequence([5]), FakeSequence([5])
     tracker = HindsightTracker()
