@@ -132,7 +132,9 @@ def build(directory: Path, num_conversations: int, sharegpt_records: int = 0) ->
 
     With `sharegpt_records` = M > 0 the datastore also holds ShareGPT records [0, M) as they
     are (the human and ChatGPT turns, chat template applied): `<dir>/datastore-<N>+sharegpt<M>`,
-    the warm start an operator gets from an offline corpus plus the model's own answers.
+    the warm start an operator gets from an offline corpus plus the model's own answers. The
+    answers are shards of origin "model" and ShareGPT of origin "corpus", so the drafter weights
+    the answers (ALGORITHM.md, "Shard weights").
     """
     from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
     from sssd.datastore.build import build_datastore
@@ -156,15 +158,18 @@ def build(directory: Path, num_conversations: int, sharegpt_records: int = 0) ->
         logger.info("%s already built", target)
         return target
     tokenizer = load_tokenizer(None)
+    facts = (vocab_size(tokenizer), tokenizer_fingerprint(tokenizer))
+    num_answer_tokens = sum(len(d) for d in documents)
     if sharegpt_records:
         from sssd.common.corpus import iter_conversation_token_ids, iter_sharegpt
 
         records = tqdm(iter_sharegpt(0, sharegpt_records), total=sharegpt_records,
                        desc="tokenizing ShareGPT", unit="conv")
-        documents += iter_conversation_token_ids(tokenizer, records)
-    build_datastore(target, documents, vocab_size(tokenizer), tokenizer_fingerprint(tokenizer))
-    logger.info("built %s from %d conversations (%d tokens)", target, len(documents),
-                sum(len(d) for d in documents))
+        build_datastore(target, iter_conversation_token_ids(tokenizer, records), *facts)
+    build_datastore(target, documents, *facts, append=bool(sharegpt_records), origin="model")
+    logger.info("built %s from %d answered conversations (%d tokens)%s", target, len(documents),
+                num_answer_tokens, f" and ShareGPT records [0, {sharegpt_records})"
+                if sharegpt_records else "")
     return target
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from tqdm import tqdm
 
 from sssd.datastore.manifest import EMPTY_MANIFEST, Manifest, read_manifest, write_manifest
-from sssd.datastore.shard import SEPARATOR, make_stream, write_shard
+from sssd.datastore.shard import ORIGINS, SEPARATOR, make_stream, write_shard
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ def build_datastore(
     max_shards: int = 8,
     progress: bool = False,
     append: bool = False,
+    origin: str = "corpus",
 ) -> Manifest:
     """Builds shards from `documents` into the datastore and publishes a new manifest.
 
@@ -71,7 +72,8 @@ def build_datastore(
     into it again would silently add the corpus a second time. With `append` the new shards
     follow the existing ones; when more than `max_shards` would be active, the oldest are
     dropped from the manifest (their directories stay until removed by the operator or the
-    indexer).
+    indexer). `origin` goes into every new shard's meta.json ("corpus" or "model", see
+    sssd.datastore.shard.ORIGINS).
     """
     if shard_tokens < 2:
         raise ValueError("shard_tokens must be >= 2")
@@ -92,7 +94,7 @@ def build_datastore(
     for batch in _batches(documents, shard_tokens):
         stream = make_stream(batch, vocab_size)
         name = shard_name(index)
-        write_shard(directory / name, stream, vocab_size, tokenizer_fingerprint)
+        write_shard(directory / name, stream, vocab_size, tokenizer_fingerprint, origin=origin)
         logger.info("wrote %s: %d tokens, %d documents", name, stream.shape[0], len(batch))
         names.append(name)
         index += 1
@@ -201,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shards", type=int, default=8, help="active shards (default 8)")
     parser.add_argument("--append", action="store_true",
                         help="add to a datastore that already holds shards (default: refuse)")
+    parser.add_argument("--origin", choices=ORIGINS, default="corpus",
+                        help="'model' for conversations the served model answered (the drafter "
+                        "weights them, see --model-shard-weight of sssd-drafter); default corpus")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.input.is_file():
@@ -209,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         manifest = build_datastore(
             args.datastore_dir, read_token_documents(args.input), args.vocab_size,
             args.tokenizer_fingerprint, args.shard_tokens, args.max_shards, progress=True,
-            append=args.append,
+            append=args.append, origin=args.origin,
         )
     except (ValueError, FileExistsError) as exc:
         print(f"sssd-build-datastore: error: {exc}", file=sys.stderr)

@@ -6,7 +6,8 @@ A shard is a directory that is written once and never modified:
     sa.u32       its suffix array (uint32 LE), built by SA-IS in the C++ core
     buckets.u32  first-token index: vocab_size + 2 row offsets into the suffix array (uint32 LE)
     meta.json    counts, vocabulary size, tokenizer fingerprint, sha256 of each file, the range
-                 of source entries it holds, creation time
+                 of source entries it holds, creation time, origin (an offline corpus, or the
+                 served model's own text, which the drafter weights higher: ALGORITHM.md)
 
 Loading memory-maps the three arrays read-only: nothing is copied to the heap, and several drafter
 processes share the page cache. A shard is written into a temporary directory and renamed into
@@ -36,6 +37,9 @@ SHARD_FORMAT_VERSION = 1
 # Ends every document in a stream; equals the C++ core's DOCUMENT_SEPARATOR (tested).
 SEPARATOR = np.uint32(0xFFFFFFFF)
 ARRAY_FILES = ("tokens.u32", "sa.u32", "buckets.u32")
+# "corpus": text from elsewhere (ShareGPT, a user's files); "model": conversations the served
+# model answered (the live datastore, sssd-self-outputs), weighted by the drafter.
+ORIGINS = ("corpus", "model")
 META_NAME = "meta.json"
 MAX_SHARD_TOKENS = (1 << 31) - 2
 
@@ -58,6 +62,7 @@ class ShardMeta:
     source_last: str | None = None  # last source entry held
     created_at: float = 0.0  # seconds since the epoch
     format_version: int = SHARD_FORMAT_VERSION
+    origin: str = "corpus"  # one of ORIGINS; shards written before the field are "corpus"
 
 
 @dataclass(frozen=True)
@@ -68,8 +73,9 @@ class LoadedShard:
     suffix_array: np.ndarray  # [num_tokens] uint32, memory-mapped
     bucket_starts: np.ndarray  # [vocab_size + 2] uint32, memory-mapped
 
-    def core_view(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self.stream, self.suffix_array, self.bucket_starts
+    def core_view(self, weight: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """What `_core.Datastore` takes for this shard, with its weight (ALGORITHM.md)."""
+        return self.stream, self.suffix_array, self.bucket_starts, weight
 
 
 def make_stream(documents: Iterable[Sequence[int] | np.ndarray], vocab_size: int) -> np.ndarray:
@@ -126,8 +132,11 @@ def write_shard(
     tokenizer_fingerprint: str,
     source_first: str | None = None,
     source_last: str | None = None,
+    origin: str = "corpus",
 ) -> ShardMeta:
     """Builds the suffix array of `stream` and writes the shard to `directory` (must not exist)."""
+    if origin not in ORIGINS:
+        raise ValueError(f"origin must be one of {ORIGINS}, got {origin!r}")
     final = Path(directory)
     if final.exists():
         raise FileExistsError(f"{final} exists; shards are immutable, write a new directory")
@@ -162,6 +171,7 @@ def write_shard(
         source_first=source_first,
         source_last=source_last,
         created_at=time.time(),
+        origin=origin,
     )
     with open(temporary / META_NAME, "w") as f:
         json.dump(asdict(meta), f, indent=2)
@@ -187,9 +197,12 @@ def read_meta(directory: str | os.PathLike) -> ShardMeta:
             f"this build reads {SHARD_FORMAT_VERSION}"
         )
     try:
-        return ShardMeta(**raw)
+        meta = ShardMeta(**raw)
     except TypeError as exc:
         raise ShardError(f"{path}: unexpected fields: {exc}") from exc
+    if meta.origin not in ORIGINS:
+        raise ShardError(f"{path}: origin {meta.origin!r}, expected one of {ORIGINS}")
+    return meta
 
 
 def load_shard(

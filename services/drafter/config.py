@@ -65,6 +65,10 @@ class DrafterConfig:
     poll_interval_s: float = option(1.0, "seconds between checks of the manifest for a new "
                                     "version")
     verify_checksums: bool = option(True, "hash every shard file at load")
+    model_shard_weight: int = option(
+        5, "weight of shards of the served model's own text (live datastore, self-outputs) "
+        "against 1 for an offline corpus: their share of the datastore samples and the count "
+        "of each (ALGORITHM.md, Shard weights); 1: the paper's algorithm")
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(DRAFTER_PORT, "port to bind; 0: the OS picks a free port")
     max_workers: int = option(8, "gRPC server threads")
@@ -81,6 +85,7 @@ class DrafterConfig:
             (self.max_sequences >= 1, "max_sequences must be >= 1"),
             (self.max_tokens_per_sequence >= 1, "max_tokens_per_sequence must be >= 1"),
             (self.poll_interval_s > 0, "poll_interval_s must be > 0"),
+            (1 <= self.model_shard_weight <= 1000, "model_shard_weight must be in [1, 1000]"),
             (0 <= self.port <= 65535, "port must be in [0, 65535]"),
             (self.max_workers >= 1, "max_workers must be >= 1"),
             (self.grace_s >= 0, "grace_s must be >= 0"),

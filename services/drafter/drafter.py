@@ -51,6 +51,7 @@ class Drafter:
                 tokenizer_fingerprint=config.tokenizer_fingerprint,
                 verify_checksums=config.verify_checksums,
                 poll_interval_s=config.poll_interval_s,
+                model_shard_weight=config.model_shard_weight,
             )
 
     def start(self) -> "Drafter":

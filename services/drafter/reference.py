@@ -79,13 +79,13 @@ class CountNode:
         return (self.token, self.count, tuple(c.canonical() for c in self.sorted_children()))
 
 
-def insert_path(root: CountNode, tokens: list[int]) -> None:
-    """Adds 1 to `root` and to every node along `tokens` (missing nodes start at count 0)."""
-    root.count += 1
+def insert_path(root: CountNode, tokens: list[int], weight: int = 1) -> None:
+    """Adds `weight` to `root` and to every node along `tokens` (missing nodes start at 0)."""
+    root.count += weight
     node = root
     for token in tokens:
         node = node.child(token)
-        node.count += 1
+        node.count += weight
 
 
 # --- Input trie (Algorithm 1) ---------------------------------------------------------------------
@@ -214,16 +214,24 @@ def continuation(stream: list[int], position: int, branch_len: int) -> list[int]
     return tokens
 
 
-def collect(sequence: list[int], shards: list[Shard], params: DraftParams) -> CountNode:
-    """Algorithm 2: the weighted tree of sampled continuations; its root is sequence[-1]."""
+def collect(sequence: list[int], shards: list[Shard], params: DraftParams,
+            weights: list[int] | None = None) -> CountNode:
+    """Algorithm 2: the weighted tree of sampled continuations; its root is sequence[-1].
+
+    `weights` (one integer >= 1 per shard, default 1): see "Shard weights" in ALGORITHM.md.
+    """
+    weights = weights or [1] * len(shards)
+    if len(weights) != len(shards) or not all(1 <= w <= 1000 for w in weights):
+        raise ValueError("one weight in [1, 1000] per shard")
     tree = CountNode(sequence[-1])
-    quotas = apportion(params.max_continuations, [len(stream) for stream, _ in shards])
+    quotas = apportion(params.max_continuations,
+                       [len(stream) * w for (stream, _), w in zip(shards, weights)])
     prefix = sequence[-params.prefix_len:]
     for length in range(len(prefix), 0, -1):
         if tree.count >= params.min_continuations:  # the root counts the continuations
             break
         query = prefix[-length:]
-        for (stream, sa), quota in zip(shards, quotas):
+        for (stream, sa), quota, weight in zip(shards, quotas, weights):
             if quota == 0:
                 continue
             lo, hi = find_range(stream, sa, query)
@@ -232,7 +240,7 @@ def collect(sequence: list[int], shards: list[Shard], params: DraftParams) -> Co
             samples = min(quota, hi - lo)  # spread evenly over the whole range
             for k in range(samples):
                 position = sa[lo + k * (hi - lo) // samples] + length
-                insert_path(tree, continuation(stream, position, params.branch_len))
+                insert_path(tree, continuation(stream, position, params.branch_len), weight)
     return tree
 
 
@@ -313,8 +321,8 @@ def merge(sources: list[Source], root_token: int, dec_len: int
 # --- Entry point ----------------------------------------------------------------------------------
 
 
-def propose(sequence: list[int], shards: list[Shard], budget: int, params: DraftParams
-            ) -> tuple[list[int], list[int], list[float]]:
+def propose(sequence: list[int], shards: list[Shard], budget: int, params: DraftParams,
+            weights: list[int] | None = None) -> tuple[list[int], list[int], list[float]]:
     """One draft tree of at most `budget` nodes (root included) for a non-empty sequence.
 
     Returns (token_ids, parents, probs) in insertion order, probs rounded to float32.
@@ -323,6 +331,6 @@ def propose(sequence: list[int], shards: list[Shard], budget: int, params: Draft
         raise ValueError("the sequence is empty")
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
-    datastore_tree = collect(sequence, shards, params) if shards else None
+    datastore_tree = collect(sequence, shards, params, weights) if shards else None
     matches = build_trie(sequence, params.branch_len).match(params.prefix_len)
     return merge(make_sources(datastore_tree, matches, params), sequence[-1], budget)

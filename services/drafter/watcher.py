@@ -39,10 +39,13 @@ def load_datastore(
     tokenizer_fingerprint: str | None = None,
     verify_checksums: bool = True,
     reuse: dict[str, LoadedShard] | None = None,
+    model_shard_weight: int = 1,
 ) -> LoadedDatastore:
     """Loads every shard the manifest lists; raises ShardError if any one is unusable.
 
     Shards are immutable, so those already mapped (`reuse`, by name) are not verified again.
+    Shards of the served model's own text (origin "model") get `model_shard_weight`, the
+    others 1 (ALGORITHM.md, "Shard weights").
     """
     reuse = reuse or {}
     shards = []
@@ -54,7 +57,8 @@ def load_datastore(
                 load_shard(Path(datastore_dir) / name, vocab_size, tokenizer_fingerprint,
                            verify_checksums)
             )
-    core = _core.Datastore([s.core_view() for s in shards], vocab_size, max_continuations)
+    views = [s.core_view(model_shard_weight if s.meta.origin == "model" else 1) for s in shards]
+    core = _core.Datastore(views, vocab_size, max_continuations)
     return LoadedDatastore(manifest, tuple(shards), core)
 
 
@@ -69,8 +73,10 @@ class DatastoreWatcher:
         tokenizer_fingerprint: str | None = None,
         verify_checksums: bool = True,
         poll_interval_s: float = 1.0,
+        model_shard_weight: int = 1,
     ) -> None:
         self.datastore_dir = Path(datastore_dir)
+        self._model_shard_weight = model_shard_weight
         self._vocab_size = vocab_size
         self._max_continuations = max_continuations
         self._fingerprint = tokenizer_fingerprint
@@ -100,16 +106,19 @@ class DatastoreWatcher:
             try:
                 loaded = load_datastore(
                     self.datastore_dir, manifest, self._vocab_size, self._max_continuations,
-                    self._fingerprint, self._verify, reuse,
+                    self._fingerprint, self._verify, reuse, self._model_shard_weight,
                 )
             except (ShardError, OSError, ValueError) as exc:
                 self._reject(manifest.version, str(exc))
                 return False
             self.current = loaded
             self.last_error = None
+            model = sum(s.meta.origin == "model" for s in loaded.shards)
             logger.info(
-                "serving datastore manifest v%d: %d shards, %d tokens",
+                "serving datastore manifest v%d: %d shards, %d tokens%s",
                 manifest.version, len(loaded.shards), loaded.num_tokens,
+                f" ({model} of the served model's text, weight {self._model_shard_weight})"
+                if model else "",
             )
             return True
 

@@ -402,7 +402,8 @@ class Indexer:
                 name = self._allocate(manifest)
                 self._maybe_crash_writing("during_build", name, stream)
                 write_shard(self.directory / name, stream, config.vocab_size,
-                            config.tokenizer_fingerprint, source_first=first, source_last=last)
+                            config.tokenizer_fingerprint, source_first=first, source_last=last,
+                            origin="model")  # conversations the served model answered
                 self._sizes[name] = int(stream.shape[0])
                 names.append(name)
             if self.crash_at == "after_build":
@@ -453,9 +454,12 @@ class Indexer:
         merged = np.concatenate([np.fromfile(self.directory / source / "tokens.u32",
                                              dtype="<u4") for source in sources])
         self._maybe_crash_writing("during_merge", name, merged)
+        # A merge keeps the weight only if every source is the model's text (a run that
+        # includes a corpus shard is weighted like the corpus).
+        origin = "model" if all(m.origin == "model" for m in metas) else "corpus"
         write_shard(self.directory / name, merged, config.vocab_size,
                     config.tokenizer_fingerprint, source_first=metas[0].source_first,
-                    source_last=metas[-1].source_last)
+                    source_last=metas[-1].source_last, origin=origin)
         if self.crash_at == "after_merge_build":
             raise SimulatedCrash("after_merge_build")
         with self._lock:

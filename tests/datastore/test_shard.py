@@ -15,6 +15,7 @@ from sssd.datastore.shard import (
     bucket_starts,
     load_shard,
     make_stream,
+    read_meta,
     write_shard,
 )
 
@@ -52,6 +53,27 @@ def test_round_trip_preserves_arrays_and_metadata(tmp_path):
     assert meta.num_documents == 40 and meta.num_tokens == stream.shape[0]
     datastore = _core.Datastore([shard.core_view()], VOCAB, 100)
     assert datastore.check_shard(0, True) == ""
+
+
+def test_origin_is_written_read_and_checked(tmp_path):
+    stream = make_stream(random_documents(3), VOCAB)
+    assert write_shard(tmp_path / "corpus", stream, VOCAB, FINGERPRINT).origin == "corpus"
+    assert write_shard(tmp_path / "own", stream, VOCAB, FINGERPRINT, origin="model").origin == \
+        "model"
+    assert read_meta(tmp_path / "own").origin == "model"
+    with pytest.raises(ValueError, match="origin must be one of"):
+        write_shard(tmp_path / "bad", stream, VOCAB, FINGERPRINT, origin="served")
+    assert not (tmp_path / "bad").exists()
+    # meta.json written before the field existed: an offline corpus.
+    meta_path = tmp_path / "corpus" / "meta.json"
+    raw = json.loads(meta_path.read_text())
+    del raw["origin"]
+    meta_path.write_text(json.dumps(raw))
+    assert read_meta(tmp_path / "corpus").origin == "corpus"
+    raw["origin"] = "elsewhere"
+    meta_path.write_text(json.dumps(raw))
+    with pytest.raises(ShardError, match="origin 'elsewhere'"):
+        load_shard(tmp_path / "corpus", VOCAB, FINGERPRINT)
 
 
 def test_suffix_array_orders_suffixes(tmp_path):

@@ -7,6 +7,7 @@ ties, the cases where the two could disagree, happen in most examples.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -70,10 +71,13 @@ def datastores(draw) -> tuple[int, list[list[list[int]]]]:
     return vocab_size, shards
 
 
-def build_both(vocab_size, shard_documents, max_continuations, core_shard):
-    """The same datastore twice: core Datastore and reference [(stream, sa)]."""
+def build_both(vocab_size, shard_documents, max_continuations, core_shard, weights=None):
+    """The same datastore twice: core Datastore and reference [(stream, sa)]; with `weights`
+    the core's shards carry them (ALGORITHM.md, Shard weights)."""
     core_shards = [core_shard(docs, vocab_size) for docs in shard_documents]
-    core = _core.Datastore(core_shards, vocab_size, max_continuations)
+    views = core_shards if weights is None else [(*shard, w)
+                                                 for shard, w in zip(core_shards, weights)]
+    core = _core.Datastore(views, vocab_size, max_continuations)
     ref = [(s.tolist(), sa.tolist()) for s, sa, _ in core_shards]
     return core, ref
 
@@ -193,6 +197,38 @@ def test_collect_equals_reference(data, core_shard, core_params, core_tree):
 
     nodes = core.collect(np.asarray(sequence, dtype=np.int32), core_params(params))
     assert core_tree(nodes) == reference.collect(sequence, ref, params).canonical()
+
+
+@PROPERTY
+@given(data=st.data())
+def test_weighted_collect_equals_reference(data, core_shard, core_params, core_tree):
+    vocab_size, shard_documents = data.draw(datastores())
+    weights = data.draw(st.lists(st.integers(min_value=1, max_value=7),
+                                 min_size=len(shard_documents), max_size=len(shard_documents)))
+    params = data.draw(draft_params())
+    sequence = data.draw(sequences(vocab_size))
+    core, ref = build_both(vocab_size, shard_documents, params.max_continuations, core_shard,
+                           weights)
+
+    weighted_sizes = [len(stream) * w for (stream, _), w in zip(ref, weights)]
+    assert core.quotas == reference.apportion(params.max_continuations, weighted_sizes)
+    nodes = core.collect(np.asarray(sequence, dtype=np.int32), core_params(params))
+    assert core_tree(nodes) == reference.collect(sequence, ref, params, weights).canonical()
+    trie = _core.InputTrie(params.branch_len)
+    trie.append(np.asarray(sequence, dtype=np.int32))
+    drafter = _core.Drafter(core_params(params), 1)
+    assert_same_draft(drafter.propose_one(core, trie, 12),
+                      reference.propose(sequence, ref, 12, params, weights), 12, sequence[-1])
+
+
+def test_shard_weight_out_of_range_is_refused(core_shard):
+    shard = core_shard([[1, 2, 3]], 8)
+    for weight in (0, -1, 1001):
+        with pytest.raises(ValueError, match="shard weight must be in"):
+            _core.Datastore([(*shard, weight)], 8, 10)
+    with pytest.raises(ValueError, match="one weight in"):
+        reference.collect([1], [(shard[0].tolist(), shard[1].tolist())],
+                          reference.DraftParams(), [0])
 
 
 # (e) Draft trees ---------------------------------------------------------------------------------

@@ -177,9 +177,28 @@ def test_damaged_new_shard_keeps_the_old_datastore_serving(drafter, datastore_di
     check(tree, 8, 3)
 
 
+def test_model_text_shards_are_weighted(tmp_path):
+    """A shard of the served model's answers outweighs a corpus shard twice its length at
+    weight 5, and is outweighed at weight 1 (the paper's algorithm)."""
+    # After [3, 4] the corpus continues with 7 (twice as often), the model's answers with 9.
+    build_datastore(tmp_path / "ds", [[3, 4, 7, 7]] * 40, 32, "fp")
+    build_datastore(tmp_path / "ds", [[3, 4, 9, 9]] * 20, 32, "fp", append=True,
+                    origin="model")
+    for weight, first in ((5, 9), (1, 7)):
+        config = DrafterConfig(datastore_dir=str(tmp_path / "ds"), vocab_size=32,
+                               model_shard_weight=weight)
+        with Drafter(config) as drafter:
+            quotas = drafter.watcher.current.core.quotas
+            (tree,) = drafter.propose([DraftRequest(f"w{weight}", [1, 3, 4], 2, is_start=True)])
+        assert tree.token_ids.tolist() == [4, first], weight
+        assert quotas == ([29, 71] if weight == 5 else [67, 33])
+
+
 def test_config_rejects_out_of_range_values():
     with pytest.raises(ValueError, match="max_budget"):
         DrafterConfig(max_budget=0)
+    with pytest.raises(ValueError, match="model_shard_weight"):
+        DrafterConfig(model_shard_weight=0)
     with pytest.raises(ValueError, match="prefix_len"):
         DraftParams(prefix_len=9)
     with pytest.raises(ValueError, match="discounts"):

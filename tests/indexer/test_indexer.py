@@ -89,6 +89,9 @@ def test_published_conversations_land_in_a_shard_once(tmp_path, redis_server, na
     assert read_documents(config.datastore_dir) == expected
     manifest = read_manifest(config.datastore_dir)
     assert manifest.last_entry_id == last_id
+    # Served conversations are the model's own text, which the drafter weights.
+    assert {read_meta(f"{config.datastore_dir}/{name}").origin
+            for name in manifest.shards} == {"model"}
     assert pending(indexer.client, config) == 0  # all acknowledged after the manifest
     assert indexer.client.xlen(config.stream) == 0  # and trimmed, being indexed
 
@@ -140,6 +143,8 @@ def test_builds_write_small_shards_and_merges_keep_every_document_once_in_order(
         for level in set(tiers):  # at most fanout - 1 shards wait in a tier
             assert tiers.count(level) <= 2
     assert indexer.stats.merges >= 4
+    assert {read_meta(f"{config.datastore_dir}/{name}").origin
+            for name in read_manifest(config.datastore_dir).shards} == {"model"}
     assert max(shard_sizes(config)) > 3 * max(builds_seen)  # merged across several tiers
     # Each token was re-indexed at most once per tier it climbed.
     levels = 1 + max(tier(n, 30, 3) for n in shard_sizes(config))

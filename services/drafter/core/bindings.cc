@@ -118,13 +118,16 @@ NB_MODULE(_core, m) {
             new (self) BoundDatastore();
             std::vector<sssd::ShardView> views;
             for (const nb::tuple& shard : shards) {
-              if (shard.size() != 3) {
-                throw std::invalid_argument("a shard is (stream, suffix_array, bucket_starts)");
+              if (shard.size() != 3 && shard.size() != 4) {
+                throw std::invalid_argument(
+                    "a shard is (stream, suffix_array, bucket_starts[, weight])");
               }
               auto stream = nb::cast<InArray<uint32_t>>(shard[0]);
               auto suffix_array = nb::cast<InArray<uint32_t>>(shard[1]);
               auto buckets = nb::cast<InArray<uint32_t>>(shard[2]);
-              views.push_back(sssd::ShardView{view(stream), view(suffix_array), view(buckets)});
+              const int32_t weight = shard.size() == 4 ? nb::cast<int32_t>(shard[3]) : 1;
+              views.push_back(
+                  sssd::ShardView{view(stream), view(suffix_array), view(buckets), weight});
               self->owners.push_back(stream);
               self->owners.push_back(suffix_array);
               self->owners.push_back(buckets);
@@ -133,7 +136,8 @@ NB_MODULE(_core, m) {
                 std::make_unique<sssd::Datastore>(std::move(views), vocab_size, max_continuations);
           },
           "shards"_a, "vocab_size"_a, "max_continuations"_a,
-          "Views over (stream, suffix_array, bucket_starts) uint32 arrays; nothing is copied.")
+          "Views over (stream, suffix_array, bucket_starts) uint32 arrays, each with an optional "
+          "integer weight (default 1, see ALGORITHM.md); nothing is copied.")
       .def_prop_ro("num_shards", [](const BoundDatastore& d) { return d.datastore->num_shards(); })
       .def_prop_ro("num_tokens", [](const BoundDatastore& d) { return d.datastore->num_tokens(); })
       .def_prop_ro("vocab_size", [](const BoundDatastore& d) { return d.datastore->vocab_size(); })

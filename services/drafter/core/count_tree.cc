@@ -75,12 +75,12 @@ int32_t CountTree::get_or_add_child(int32_t parent, int32_t token) {
   return created;
 }
 
-void CountTree::insert_path(std::span<const int32_t> tokens) {
+void CountTree::insert_path(std::span<const int32_t> tokens, int32_t weight) {
   int32_t current = 0;
-  nodes_[0].count += 1;
+  nodes_[0].count += weight;
   for (int32_t token : tokens) {
     current = get_or_add_child(current, token);
-    nodes_[current].count += 1;
+    nodes_[current].count += weight;
   }
 }
 

@@ -32,8 +32,8 @@ class CountTree {
   // Returns the child of `parent` holding `token`, creating it (count 0) if absent.
   int32_t get_or_add_child(int32_t parent, int32_t token);
 
-  // Adds 1 to the root and to every node along `tokens` from the root.
-  void insert_path(std::span<const int32_t> tokens);
+  // Adds `weight` to the root and to every node along `tokens` from the root.
+  void insert_path(std::span<const int32_t> tokens, int32_t weight = 1);
 
   // Writes the children of `parent` into `out` in ascending token order (the merge's order).
   void sorted_children(int32_t parent, std::vector<int32_t>& out) const;

@@ -56,7 +56,10 @@ Datastore::Datastore(std::vector<ShardView> shards, uint32_t vocab_size,
     if (shard.bucket_starts.size() != static_cast<size_t>(vocab_size) + 2) {
       throw std::invalid_argument("bucket index must have vocab_size + 2 entries");
     }
-    sizes.push_back(static_cast<int64_t>(shard.stream.size()));
+    if (shard.weight < 1 || shard.weight > kMaxShardWeight) {
+      throw std::invalid_argument("shard weight must be in [1, 1000]");
+    }
+    sizes.push_back(static_cast<int64_t>(shard.stream.size()) * shard.weight);
     num_tokens_ += static_cast<int64_t>(shard.stream.size());
   }
   quotas_ = apportion(max_continuations, sizes);
@@ -142,7 +145,7 @@ void Datastore::collect(std::span<const int32_t> sequence, const DrafterParams& 
           if (token == kDocumentSeparator) break;
           path[path_len++] = static_cast<int32_t>(token);
         }
-        tree.insert_path(std::span<const int32_t>(path, path_len));
+        tree.insert_path(std::span<const int32_t>(path, path_len), shard.weight);
       }
     }
   }

@@ -22,7 +22,14 @@ struct ShardView {
   // token t; row bucket_starts[vocab_size] starts the separator block and
   // bucket_starts[vocab_size + 1] == num_tokens.
   std::span<const uint32_t> bucket_starts;
+  // Every continuation sampled from this shard counts `weight` times, and the shard's share of
+  // max_continuations is computed from weight * its length (ALGORITHM.md, "Shard weights"):
+  // 1 for an offline corpus, more for the served model's own text.
+  int32_t weight = 1;
 };
+
+// Largest shard weight accepted; counts stay far below int32 overflow.
+inline constexpr int32_t kMaxShardWeight = 1000;
 
 // A half-open range of suffix-array rows.
 struct SaRange {
