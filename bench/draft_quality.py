@@ -15,6 +15,13 @@ for tuning the drafter's constants; never tune on mt_bench).
     python bench/draft_quality.py --sets mt_bench,code --budgets 4,8,16,32 \\
         --config baseline: --config long:branch_len=12
 
+Side by side with the SSSD paper's own library (`sssd_speculator`, github.com/michelemarzollo/
+sssd_speculator; not a dependency of this project, built by hand as the README says):
+`--reference-build DIR` imports it from DIR, writes the same datastore documents into its index
+format once (cached under var/bench/reference/) and scores it by the same replay, with the
+settings of the paper's own evaluation (`lookahead_comparisons.py`: lookup key 4 tokens, prompt
+trie depth 9, branch length by budget) and, with `--reference-branch-len N`, a fixed one.
+
 Prints one JSON object per (set, datastore, config, budget):
   tokens_per_step       tokens emitted per verification step (accepted + bonus), answer tokens
                         after the first (which the prefill yields) over steps
@@ -130,6 +137,101 @@ def replay(drafter, pairs: list[tuple[list[int], list[int]]], budget: int) -> di
             "num_steps": steps, "draft_ms": 1e3 * draft_s / max(num_calls, 1)}
 
 
+def reference_vocab(vocab_size: int) -> int:
+    """The vocabulary size to give the reference: it stores tokens in 2 bytes below 65,536 and
+    reads them back signed, so ids of 32,768 and above (SmolLM2 has 49,152) come back negative;
+    a size above 65,536 makes it store 4 bytes."""
+    return max(vocab_size + 1, 65_537)
+
+
+class ReferenceDrafter:
+    """The paper's reference drafter (sssd_speculator.Reader) behind the replay's interface:
+    propose(requests) -> trees with parents and token ids, end(seq_ids)."""
+
+    # The paper's evaluation (evaluation/lookahead_comparisons.py of the reference repository).
+    PREFIX_LEN = 4
+    PROMPT_TRIE_DEPTH = 9
+
+    def __init__(self, module, index_path: Path, vocab_size: int, stop_token: int,
+                 branch_len: int | None) -> None:
+        self.reader = module.Reader(index_file_path=str(index_path), stop_token=stop_token,
+                                    max_search_entries=100,
+                                    prompt_branch_length=self.PROMPT_TRIE_DEPTH,
+                                    prompt_prefix_length=self.PREFIX_LEN,
+                                    vocab_size=reference_vocab(vocab_size))
+        self.branch_len = branch_len
+        self.contexts: dict[str, list[int]] = {}
+        self.slots: dict[str, int] = {}
+
+    @staticmethod
+    def paper_branch_len(budget: int) -> int:
+        """get_branch_len_from_decoding_len of the paper's evaluation."""
+        if budget <= 5:
+            return max(budget - 1, 1)
+        return 5 if budget <= 8 else 6 if budget <= 32 else 8 if budget <= 48 else 10
+
+    def propose(self, requests) -> list:
+        from types import SimpleNamespace
+
+        for request in requests:
+            tokens = [int(t) for t in request.token_ids]
+            if request.is_start:
+                self.slots[request.seq_id] = len(self.slots)
+                self.contexts[request.seq_id] = list(tokens)
+                self.reader.sync_put(tokens, seq_id=self.slots[request.seq_id])
+            else:
+                self.contexts[request.seq_id].extend(tokens)
+                self.reader.stream_put(tokens, seq_id=self.slots[request.seq_id])
+        budgets = [r.budget for r in requests]
+        outputs, depths, masks = self.reader.get_candidates(
+            prefixes=[self.contexts[r.seq_id][-self.PREFIX_LEN:] for r in requests],
+            decoding_lengths=budgets,
+            branch_lengths=[self.branch_len or self.paper_branch_len(b) for b in budgets],
+            seq_ids=[self.slots[r.seq_id] for r in requests])
+        trees = []
+        for tokens, depth, mask in zip(outputs, depths, masks):
+            # mask[i - 1, j - 1]: node j is node i or one of its ancestors (the root left out);
+            # the parent is the ancestor one level up.
+            parents = [-1]
+            for node in range(1, len(tokens)):
+                ancestors = [j + 1 for j in np.flatnonzero(mask[node - 1])
+                             if depth[j + 1] == depth[node] - 1]
+                parents.append(ancestors[0] if ancestors else 0)
+            trees.append(SimpleNamespace(num_nodes=len(tokens), token_ids=list(tokens),
+                                         parents=parents))
+        return trees
+
+    def end(self, seq_ids) -> None:
+        for seq_id in seq_ids:
+            self.reader.sync_finish_sequence(seq_id=self.slots[seq_id])
+
+
+def reference_index(module, datastore: Path, vocab_size: int, stop_token: int) -> Path:
+    """The datastore's documents written in the reference's index format, each entry opened by
+    `stop_token` as the paper's builder does with BOS; built once per datastore."""
+    from sssd.datastore.manifest import read_manifest
+    from sssd.datastore.shard import SEPARATOR, read_meta
+
+    shards = [datastore / name for name in read_manifest(datastore).shards]
+    key = "-".join(read_meta(s).checksums["tokens.u32"][:12] for s in shards)
+    path = Path("var/bench/reference") / f"{key}-4byte.idx"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    writer = module.Writer(index_file_path=str(temporary), vocab_size=reference_vocab(vocab_size))
+    for shard in shards:
+        stream = np.fromfile(shard / "tokens.u32", dtype=np.uint32)
+        ends = np.flatnonzero(stream == SEPARATOR)
+        start = 0
+        for end in ends:
+            writer.add_entry([stop_token] + stream[start:end].astype(np.int64).tolist())
+            start = end + 1
+    writer.finalize()
+    temporary.rename(path)
+    return path
+
+
 def parse_config(text: str) -> tuple[str, dict]:
     """'name:key=value,key=value' -> (name, {key: value}) with numbers parsed."""
     name, _, body = text.partition(":")
@@ -157,8 +259,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="datastore(s) to score with (repeatable; default: the ShareGPT "
                         "datastore the main job builds)")
     parser.add_argument("--config", action="append", default=[],
-                        help="name:key=value,... drafter constants (DraftParams fields), "
-                        "repeatable; default one config with the defaults")
+                        help="name:key=value,... drafter constants (DraftParams fields, and "
+                        "model_shard_weight), repeatable; default one config with the defaults")
+    parser.add_argument("--reference-build", type=Path, default=None,
+                        help="directory holding the built sssd_speculator module: also score "
+                        "the paper's reference drafter on the same datastore")
+    parser.add_argument("--reference-branch-len", type=int, default=None,
+                        help="fixed branch length for the reference (default: the paper's "
+                        "evaluation, by budget)")
+    parser.add_argument("--no-ours", action="store_true",
+                        help="score the reference only")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(message)s")
@@ -173,14 +283,41 @@ def main(argv: list[str] | None = None) -> None:
     configs = [parse_config(c) for c in args.config] or [("default", {})]
     sets = {name: references(name, args.prompts, args.max_tokens, args.dtype, args.batch_size)
             for name in args.sets.split(",")}
+    reference = None
+    if args.reference_build is not None:
+        sys.path.insert(0, str(args.reference_build.resolve()))
+        try:
+            import sssd_speculator as reference
+        except ImportError as exc:
+            parser.error(f"--reference-build {args.reference_build}: cannot import "
+                         f"sssd_speculator ({exc})")
+    budgets = [int(b) for b in args.budgets.split(",")]
+    stop_token = vocab_size(tokenizer)  # outside the vocabulary: only opens entries
     for datastore in datastores:
+        if reference is not None:
+            index = reference_index(reference, datastore, vocab_size(tokenizer), stop_token)
+            for set_name, pairs in sets.items():
+                for budget in budgets:
+                    drafter = ReferenceDrafter(reference, index, vocab_size(tokenizer),
+                                               stop_token, args.reference_branch_len)
+                    row = {"set": set_name, "datastore": str(datastore),
+                           "config": "reference", "params": {
+                               "branch_len": args.reference_branch_len
+                               or ReferenceDrafter.paper_branch_len(budget)},
+                           "budget": budget, "num_prompts": len(pairs)}
+                    row.update(replay(drafter, pairs, budget))
+                    print(json.dumps(row), flush=True)
+        if args.no_ours:
+            continue
         for name, values in configs:
+            constants = dict(values)
+            weight = constants.pop("model_shard_weight", DrafterConfig.model_shard_weight)
             config = DrafterConfig(datastore_dir=str(datastore), vocab_size=vocab_size(tokenizer),
                                    tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-                                   params=DraftParams(**values))
+                                   model_shard_weight=weight, params=DraftParams(**constants))
             with Drafter(config) as drafter:
                 for set_name, pairs in sets.items():
-                    for budget in (int(b) for b in args.budgets.split(",")):
+                    for budget in budgets:
                         row = {"set": set_name, "datastore": str(datastore), "config": name,
                                "params": values, "budget": budget, "num_prompts": len(pairs)}
                         row.update(replay(drafter, pairs, budget))
