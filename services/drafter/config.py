@@ -17,11 +17,11 @@ ENV_PREFIX = "SSSD_DRAFTER_"
 
 @dataclass(frozen=True)
 class DraftParams:
-    """Algorithm constants (ALGORITHM.md); the defaults are the paper's except
+    """Algorithm constants (ALGORITHM.md); the defaults are the paper's except branch_len and
     datastore_child_discount, tuned on held-out data."""
 
     prefix_len: int = option(4, "P: longest suffix of the sequence used as a lookup key")
-    branch_len: int = option(8, "input-trie window and longest datastore continuation, tokens")
+    branch_len: int = option(16, "input-trie window and longest datastore continuation, tokens")
     max_continuations: int = option(100, "datastore samples per prefix length, over all shards")
     min_continuations: int = option(
         50, "shorten the datastore prefix while fewer continuations were sampled")

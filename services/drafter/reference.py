@@ -23,7 +23,7 @@ class DraftParams:
     """The constants of ALGORITHM.md; same fields, defaults and checks as C++ `DrafterParams`."""
 
     prefix_len: int = 4  # P: longest suffix of the sequence used as a lookup key
-    branch_len: int = 8  # input-trie window; longest datastore continuation
+    branch_len: int = 16  # input-trie window; longest datastore continuation
     max_continuations: int = 100  # datastore samples per prefix length, all shards together
     min_continuations: int = 50  # shorten the datastore prefix while fewer were sampled
     datastore_discount: float = 1.0  # first-level factor, datastore source

@@ -1,4 +1,5 @@
-// Tunable constants of the SSSD drafter (seeds/000, Appendix A). Defaults are the paper's.
+// Tunable constants of the SSSD drafter (seeds/000, Appendix A). Defaults are the paper's except
+// branch_len and datastore_child_discount, tuned on held-out data.
 // ALGORITHM.md beside this directory defines how each one is used.
 #pragma once
 
@@ -8,7 +9,7 @@ namespace sssd {
 
 struct DrafterParams {
   int32_t prefix_len = 4;             // P: longest suffix of the sequence used as a lookup key
-  int32_t branch_len = 8;             // input-trie window; longest datastore continuation
+  int32_t branch_len = 16;            // tuned on held-out data (ALGORITHM.md)
   int32_t max_continuations = 100;    // datastore samples per prefix length, all shards together
   int32_t min_continuations = 50;     // shorten the datastore prefix while fewer were sampled
   double datastore_discount = 1.0;    // first-level factor, datastore source
