@@ -43,12 +43,14 @@ def test_generate_resumes_and_builds_a_datastore(tmp_path, target_model_fp32):
     assert meta["num_tokens"] == sum(len(r["prompt_ids"]) + len(r["output_ids"]) + 1
                                      for r in answered)
     assert meta["tokenizer_fingerprint"] == target_model_fp32.fingerprint
-    # With ShareGPT records as they are, next to the answers.
+    assert meta["origin"] == "model"  # the drafter weights the model's own answers
+    # With ShareGPT records as they are, in a corpus shard before the answers.
     combined = build(tmp_path, len(answered), sharegpt_records=2)
     assert combined.name == f"datastore-{len(answered)}+sharegpt2"
     manifest = read_manifest(combined)
-    meta = json.loads((combined / manifest.shards[0] / "meta.json").read_text())
-    assert meta["num_documents"] == len(answered) + 2
+    metas = [json.loads((combined / name / "meta.json").read_text()) for name in manifest.shards]
+    assert [(m["origin"], m["num_documents"]) for m in metas] == [("corpus", 2),
+                                                                  ("model", len(answered))]
     with pytest.raises(SystemExit, match="only"):
         build(tmp_path, len(answered) + 1)
 
