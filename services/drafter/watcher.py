@@ -45,7 +45,8 @@ def load_datastore(
 
     Shards are immutable, so those already mapped (`reuse`, by name) are not verified again.
     Shards of the served model's own text (origin "model") get `model_shard_weight`, the
-    others 1 (ALGORITHM.md, "Shard weights").
+    others 1 (ALGORITHM.md, "Shard weights"); weights are relative, so a datastore of model
+    shards only gives them all 1.
     """
     reuse = reuse or {}
     shards = []
@@ -57,9 +58,19 @@ def load_datastore(
                 load_shard(Path(datastore_dir) / name, vocab_size, tokenizer_fingerprint,
                            verify_checksums)
             )
-    views = [s.core_view(model_shard_weight if s.meta.origin == "model" else 1) for s in shards]
-    core = _core.Datastore(views, vocab_size, max_continuations)
+    weights = shard_weights(shards, model_shard_weight)
+    core = _core.Datastore([s.core_view(w) for s, w in zip(shards, weights)], vocab_size,
+                           max_continuations)
     return LoadedDatastore(manifest, tuple(shards), core)
+
+
+def shard_weights(shards: list[LoadedShard] | tuple[LoadedShard, ...], model_shard_weight: int
+                  ) -> list[int]:
+    """`model_shard_weight` for shards of origin "model" when the datastore also holds corpus
+    shards, else 1 (only their ratio means anything)."""
+    if all(s.meta.origin == "model" for s in shards):
+        return [1] * len(shards)
+    return [model_shard_weight if s.meta.origin == "model" else 1 for s in shards]
 
 
 class DatastoreWatcher:
@@ -113,12 +124,12 @@ class DatastoreWatcher:
                 return False
             self.current = loaded
             self.last_error = None
-            model = sum(s.meta.origin == "model" for s in loaded.shards)
+            weighted = sum(w > 1 for w in shard_weights(loaded.shards, self._model_shard_weight))
             logger.info(
                 "serving datastore manifest v%d: %d shards, %d tokens%s",
                 manifest.version, len(loaded.shards), loaded.num_tokens,
-                f" ({model} of the served model's text, weight {self._model_shard_weight})"
-                if model else "",
+                f" ({weighted} of the served model's text, weight {self._model_shard_weight})"
+                if weighted else "",
             )
             return True
 

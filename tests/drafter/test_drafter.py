@@ -192,6 +192,19 @@ def test_model_text_shards_are_weighted(tmp_path):
             (tree,) = drafter.propose([DraftRequest(f"w{weight}", [1, 3, 4], 2, is_start=True)])
         assert tree.token_ids.tolist() == [4, first], weight
         assert quotas == ([29, 71] if weight == 5 else [67, 33])
+    # Weights are relative: model shards alone are weighted like a corpus (weight 1), so the
+    # stop rule of min_continuations counts the same as in the paper's algorithm.
+    build_datastore(tmp_path / "own", [[3, 4, 9, 9]] * 20, 32, "fp", origin="model")
+    build_datastore(tmp_path / "own", [[3, 4, 7, 7]] * 10, 32, "fp", append=True,
+                    origin="model")
+    with Drafter(DrafterConfig(datastore_dir=str(tmp_path / "own"), vocab_size=32)) as drafter:
+        datastore = drafter.watcher.current.core
+        assert datastore.quotas == [67, 33]
+        nodes = datastore.collect(np.asarray([1, 3, 4], dtype=np.int32),
+                                  drafter.config.params.to_core())
+        # After [3, 4]: 30 continuations (< 50), so [4] adds 30 more; at weight 5 the first 30
+        # would have counted 150 and stopped the shortening.
+        assert nodes[0, 1] == 60
 
 
 def test_config_rejects_out_of_range_values():
