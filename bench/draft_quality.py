@@ -161,7 +161,8 @@ class ReferenceDrafter:
                                     vocab_size=reference_vocab(vocab_size))
         self.branch_len = branch_len
         self.contexts: dict[str, list[int]] = {}
-        self.slots: dict[str, int] = {}
+        self.slots: dict[str, int] = {}  # the reader's seq_id: a slot below its max_batch_size
+        self.free_slots: list[int] = []
 
     @staticmethod
     def paper_branch_len(budget: int) -> int:
@@ -176,7 +177,8 @@ class ReferenceDrafter:
         for request in requests:
             tokens = [int(t) for t in request.token_ids]
             if request.is_start:
-                self.slots[request.seq_id] = len(self.slots)
+                self.slots[request.seq_id] = (self.free_slots.pop() if self.free_slots
+                                              else len(self.slots))
                 self.contexts[request.seq_id] = list(tokens)
                 self.reader.sync_put(tokens, seq_id=self.slots[request.seq_id])
             else:
@@ -203,7 +205,10 @@ class ReferenceDrafter:
 
     def end(self, seq_ids) -> None:
         for seq_id in seq_ids:
-            self.reader.sync_finish_sequence(seq_id=self.slots[seq_id])
+            slot = self.slots.pop(seq_id)
+            self.contexts.pop(seq_id)
+            self.reader.sync_finish_sequence(seq_id=slot)
+            self.free_slots.append(slot)
 
 
 def reference_index(module, datastore: Path, vocab_size: int, stop_token: int) -> Path:

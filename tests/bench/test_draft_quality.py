@@ -83,6 +83,9 @@ def test_replay_scores_the_reference_tree_and_ends_its_sequences():
     assert result["accepted_per_step"] == pytest.approx(1.0)
     assert result["tokens_per_step"] == pytest.approx(2.0)
     assert drafter.reader.finished == [0]
+    # A finished sequence's slot (the reader's seq_id, below its batch size) is used again.
+    drafter.propose([DraftRequest("next", [7, 5], 4, is_start=True)])
+    assert drafter.reader.puts[-1] == ("sync", [7, 5], 0)
 
 
 def test_vocabulary_size_forces_four_byte_tokens():

@@ -253,4 +253,5 @@ NB_MODULE(_core, m) {
         "Largest-remainder split of total over shards in proportion to sizes.");
 
   m.attr("DOCUMENT_SEPARATOR") = sssd::kDocumentSeparator;
+  m.attr("MAX_SHARD_WEIGHT") = sssd::kMaxShardWeight;
 }
