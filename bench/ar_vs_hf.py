@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from sssd.common.corpus import first_turns, prompt_token_ids, read_mt_bench
-from sssd.common.model_loader import load_causal_lm
+from sssd.common.data.corpus import first_turns, prompt_token_ids, read_mt_bench
+from sssd.common.model.loader import load_causal_lm
 from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.factory import build_engine
 

@@ -47,7 +47,7 @@ def engine(loaded, mode: str, batch: int, attention: str, kv_align: int, datasto
 
 
 def time_verify(runner, batch: int, nodes: int, prompts: list[list[int]], repeats: int) -> float:
-    from sssd.common.draft_tree import DraftTree
+    from sssd.common.drafting.draft_tree import DraftTree
 
     for slot in range(batch):
         runner.prefill(slot, prompts[slot])
@@ -63,8 +63,8 @@ def time_verify(runner, batch: int, nodes: int, prompts: list[list[int]], repeat
 
 
 def main(argv: list[str] | None = None) -> None:
-    from sssd.common.corpus import prompt_token_ids
-    from sssd.common.model_loader import load_causal_lm
+    from sssd.common.data.corpus import prompt_token_ids
+    from sssd.common.model.loader import load_causal_lm
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--set", default="mt_bench", choices=("mt_bench", "code"))

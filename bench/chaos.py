@@ -63,9 +63,9 @@ class Stack:
         from sssd.cli.datastores import pick_datastore
         from sssd.cli.processes import start_drafter, start_indexer, start_speculator
         from sssd.cli.supervisor import Supervisor
-        from sssd.common.tokenizer import tokenizer_fingerprint, vocab_size
+        from sssd.common.model.tokenizer import tokenizer_fingerprint, vocab_size
         from sssd.datastore.build import link_datastore, read_documents
-        from sssd.indexer.redis_server import (RedisServer, ensure_password_file, free_port,
+        from sssd.common.conversations.redis_server import (RedisServer, ensure_password_file, free_port,
                                                use_password_file)
 
         work = args.work_dir
@@ -98,7 +98,7 @@ class Stack:
         self.frontend = self._start_frontend(args, work)
 
     def _start_frontend(self, args, work):
-        from sssd.indexer.producer import PublishConfig
+        from sssd.common.conversations.publisher import PublishConfig
         from sssd.verifier.engine.config import EngineConfig
         from sssd.verifier.serving.config import FrontendConfig, RayConfig
         from sssd.verifier.serving.frontend import start_frontend
@@ -149,7 +149,7 @@ class Stack:
 
     def wait_indexed(self, timeout_s: float) -> bool:
         """Until every published conversation is indexed (the stream trimmed empty)."""
-        from sssd.indexer.redis_server import connect
+        from sssd.common.conversations.redis_server import connect
 
         client = connect(self.redis.url, socket_timeout=2.0)
         spool = self.spool
@@ -165,7 +165,7 @@ class Stack:
         return False
 
     def published_uids(self) -> int:
-        from sssd.indexer.redis_server import connect
+        from sssd.common.conversations.redis_server import connect
 
         client = connect(self.redis.url, socket_timeout=5.0)
         return sum(1 for _ in client.scan_iter(match=f"{STREAM}:uid:*", count=1000))
@@ -199,8 +199,8 @@ def one_request(client, prompt_index: int, prompt: list[int], max_tokens: int,
 
 def run(args) -> list[dict]:
     from sssd.client import GenerationClient, RetryPolicy
-    from sssd.common.corpus import prompt_token_ids
-    from sssd.common.tokenizer import load_tokenizer
+    from sssd.common.data.corpus import prompt_token_ids
+    from sssd.common.model.tokenizer import load_tokenizer
     from sssd.datastore.build import read_documents
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -102,12 +102,12 @@ def main(argv: list[str] | None = None) -> None:
     if not args.outputs.is_file():
         parser.error(f"{args.outputs} not found: make it with `sssd-self-outputs generate`")
 
-    from sssd.common.corpus import first_turns, prompt_token_ids, read_mt_bench
-    from sssd.common.model_loader import load_causal_lm
-    from sssd.indexer.conversations import Conversation
+    from sssd.common.data.corpus import first_turns, prompt_token_ids, read_mt_bench
+    from sssd.common.model.loader import load_causal_lm
+    from sssd.common.conversations.record import Conversation
     from sssd.indexer.indexer import Indexer, IndexerConfig
-    from sssd.indexer.producer import ConversationPublisher
-    from sssd.indexer.redis_server import RedisServer
+    from sssd.common.conversations.publisher import ConversationPublisher
+    from sssd.common.conversations.redis_server import RedisServer
     from sssd.verifier.engine.config import EngineConfig
     from sssd.verifier.factory import build_engine
 

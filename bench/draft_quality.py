@@ -58,8 +58,8 @@ def references(name: str, limit: int, max_tokens: int, dtype: str, batch_size: i
         return [(r["prompt_ids"], r["output_ids"]) for r in rows]
     from tqdm import tqdm
 
-    from sssd.common.corpus import prompt_token_ids
-    from sssd.common.model_loader import load_causal_lm
+    from sssd.common.data.corpus import prompt_token_ids
+    from sssd.common.model.loader import load_causal_lm
     from sssd.verifier.engine import EngineConfig, GenerateRequest
     from sssd.verifier.factory import build_engine
 
@@ -101,7 +101,7 @@ def accepted_along(tree, answer: Sequence[int], position: int) -> int:
 
 def replay(drafter, pairs: list[tuple[list[int], list[int]]], budget: int) -> dict:
     """Tokens per step of `drafter` (a started Proposer) on the answers, all sequences batched."""
-    from sssd.common.drafting import DraftRequest
+    from sssd.common.drafting.proposer import DraftRequest
 
     # The prefill yields answer[0]; verification steps start from prompt + answer[0].
     state = {f"q{i}": [list(prompt) + answer[:1], answer, 1]  # new tokens, answer, position
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(name)s %(message)s")
 
     from sssd.cli.datastores import pick_datastore
-    from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
+    from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
     from sssd.drafter.config import DraftParams, DrafterConfig
     from sssd.drafter.drafter import Drafter
 

@@ -224,7 +224,7 @@ class Workload:
 
     def step(self) -> list:
         """The DraftRequests of one decode step."""
-        from sssd.common.drafting import DraftRequest
+        from sssd.common.drafting.proposer import DraftRequest
 
         requests = []
         for index, row in enumerate(self.rows):

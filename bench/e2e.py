@@ -47,8 +47,8 @@ from pathlib import Path
 
 import torch
 
-from sssd.common.corpus import prompt_token_ids
-from sssd.common.model_loader import LoadedModel, load_causal_lm
+from sssd.common.data.corpus import prompt_token_ids
+from sssd.common.model.loader import LoadedModel, load_causal_lm
 from sssd.datastore.manifest import read_manifest
 from sssd.verifier.engine import EngineConfig, EngineStats
 from sssd.verifier.factory import build_engine

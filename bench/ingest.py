@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need at least one positive size and --conversations >= 1")
     args.work_dir.mkdir(parents=True, exist_ok=True)
 
-    from sssd.indexer.conversations import Conversation
-    from sssd.indexer.redis_server import RedisServer
+    from sssd.common.conversations.record import Conversation
+    from sssd.common.conversations.redis_server import RedisServer
 
     rng = np.random.default_rng(2026)
     conversations = []

@@ -13,7 +13,7 @@ TUNE_RECORDS = (12_000, 15_000)  # ShareGPT records held out for tuning
 
 
 def prompt_texts(name: str, limit: int) -> list[str]:
-    from sssd.common.corpus import first_turns, iter_sharegpt, read_mt_bench, sharegpt_messages
+    from sssd.common.data.corpus import first_turns, iter_sharegpt, read_mt_bench, sharegpt_messages
 
     if name == "mt_bench":
         return first_turns(read_mt_bench())[:limit]

@@ -136,7 +136,7 @@ def start_stack(args) -> tuple[str, callable]:
     """Starts drafter + (Ray) frontend like `sssd up`; returns the target and a stop function."""
     from sssd.cli.datastores import pick_datastore
     from sssd.cli.processes import start_drafter
-    from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
+    from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
     from sssd.verifier.engine.config import EngineConfig
     from sssd.verifier.serving.config import FrontendConfig, RayConfig
     from sssd.verifier.serving.frontend import start_frontend
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(name)s: %(message)s")
 
     from sssd.client import GenerationClient, RetryPolicy
-    from sssd.common.corpus import first_turns, read_mt_bench
+    from sssd.common.data.corpus import first_turns, read_mt_bench
 
     rates = [float(r) for r in args.rates.split(",")]
     prompts = first_turns(read_mt_bench())

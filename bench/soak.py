@@ -121,8 +121,8 @@ def measure_capacity(client, prompts, args) -> float:
 
 def run(args) -> list[dict]:
     from sssd.client import GenerationClient, RetryPolicy
-    from sssd.common.corpus import prompt_token_ids
-    from sssd.common.tokenizer import load_tokenizer
+    from sssd.common.data.corpus import prompt_token_ids
+    from sssd.common.model.tokenizer import load_tokenizer
     from sssd.drafter.client import RemoteDrafter
 
     from prompt_sets import prompt_texts

@@ -141,7 +141,7 @@ def main() -> None:
 
     import torch
 
-    from sssd.common.model_loader import load_causal_lm
+    from sssd.common.model.loader import load_causal_lm
     from sssd.speculator.client import RemoteSpeculator, SsdProposer
 
     for path in (args.target, args.draft):

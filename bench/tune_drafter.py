@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
     from sssd.cli.datastores import pick_datastore
-    from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
+    from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
     from sssd.drafter.config import DraftParams, DrafterConfig
     from sssd.drafter.drafter import Drafter
 

@@ -103,7 +103,7 @@ def spec_metrics(llm) -> tuple[int, int, int]:
 
 def engine_worker(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     """This project's engine: plain decoding, then SSSD with tree drafts from the drafter."""
-    from sssd.common.model_loader import load_causal_lm
+    from sssd.common.model.loader import load_causal_lm
     from sssd.verifier.engine import EngineConfig, EngineStats
     from sssd.verifier.factory import build_engine
 

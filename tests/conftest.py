@@ -27,7 +27,7 @@ def tokenizer():
     """The default model's tokenizer, loaded once per session (from the on-disk cache when warm)."""
     # No skip when the model package is missing: scripts/setup.sh installs it, so its absence is
     # a broken set-up that must fail loudly.
-    from sssd.common.tokenizer import load_tokenizer
+    from sssd.common.model.tokenizer import load_tokenizer
 
     return load_tokenizer()
 
@@ -39,7 +39,7 @@ def target_model_fp32():
     From the converted-weights cache when warm (about 1-3 s); the first run on a machine pays
     the GGUF conversion (about 15 s) and fills the cache.
     """
-    from sssd.common.model_loader import load_causal_lm
+    from sssd.common.model.loader import load_causal_lm
 
     return load_causal_lm(None, "float32")
 
@@ -47,7 +47,7 @@ def target_model_fp32():
 @pytest.fixture(scope="session")
 def target_model_bf16():
     """The default model in bfloat16, the serving default, loaded once per session."""
-    from sssd.common.model_loader import load_causal_lm
+    from sssd.common.model.loader import load_causal_lm
 
     return load_causal_lm(None, "bfloat16")
 
@@ -83,7 +83,7 @@ def free_port():
 
 @pytest.fixture(scope="session")
 def mt_bench_prompts(target_model_fp32):
-    from sssd.common.corpus import first_turns, read_mt_bench
+    from sssd.common.data.corpus import first_turns, read_mt_bench
 
     tokenizer = target_model_fp32.tokenizer
     prompts = []
@@ -178,8 +178,8 @@ class FakeProposer:
     def propose(self, requests):
         import numpy as np
 
-        from sssd.common.draft_tree import DraftTree
-        from sssd.common.drafting import SequenceNotFound
+        from sssd.common.drafting.draft_tree import DraftTree
+        from sssd.common.drafting.proposer import SequenceNotFound
 
         self.calls.append([r.seq_id for r in requests])
         if self.failure is not None:

@@ -45,14 +45,14 @@ def test_the_engine_loads_neither_grpc_nor_the_cpp_core():
 
 
 def test_the_drafting_interface_and_the_datastore_reader_are_light():
-    modules = loaded_modules("import sssd.common.drafting, sssd.datastore.shard, "
+    modules = loaded_modules("import sssd.common.drafting.proposer, sssd.datastore.shard, "
                              "sssd.datastore.manifest, sssd.datastore.build")
     assert "grpc" not in modules and "sssd._core" not in modules and "torch" not in modules
 
 
 def test_serving_configuration_loads_no_model_stack():
     modules = loaded_modules("import sssd.verifier.serving.config, sssd.client, "
-                             "sssd.common.flags")
+                             "sssd.common.config.flags")
     assert "torch" not in modules and "transformers" not in modules
 
 
@@ -79,7 +79,7 @@ def test_lower_packages_do_not_import_higher_ones():
 
 
 def test_drafters_implement_the_proposer_protocol(tmp_path):
-    from sssd.common.drafting import DraftRequest, Proposer
+    from sssd.common.drafting.proposer import DraftRequest, Proposer
     from sssd.drafter.client import RemoteDrafter
     from sssd.drafter.config import DrafterConfig
     from sssd.drafter.drafter import Drafter
@@ -102,7 +102,7 @@ def test_drafters_implement_the_proposer_protocol(tmp_path):
 
 
 def test_a_drafter_used_before_start_is_refused():
-    from sssd.common.drafting import DraftRequest
+    from sssd.common.drafting.proposer import DraftRequest
     from sssd.drafter.config import DrafterConfig
     from sssd.drafter.drafter import Drafter
 
@@ -128,7 +128,7 @@ def test_every_error_kind_has_one_grpc_status():
 
 
 def test_default_ports_are_distinct_and_the_configs_use_them():
-    from sssd.common import ports
+    from sssd.common.rpc import ports
     from sssd.drafter.config import DrafterConfig
     from sssd.verifier.serving.config import FrontendConfig
 
@@ -141,7 +141,7 @@ def test_default_ports_are_distinct_and_the_configs_use_them():
 
 
 def test_flags_come_from_the_config_fields():
-    from sssd.common.flags import add_flags, from_args
+    from sssd.common.config.flags import add_flags, from_args
     from sssd.verifier.engine.config import EngineConfig
 
     parser = argparse.ArgumentParser()

@@ -94,8 +94,8 @@ def run_check(target: str, prompt: str, max_tokens: int, rounds: int,
 def exact_check(prompt: str, max_tokens: int, drafter_target: str, model: str | None) -> None:
     """float32 in this process: drafts from the drafter service against none, token for
     token."""
-    from sssd.common.corpus import prompt_token_ids
-    from sssd.common.model_loader import load_causal_lm
+    from sssd.common.data.corpus import prompt_token_ids
+    from sssd.common.model.loader import load_causal_lm
     from sssd.verifier.engine import EngineConfig
     from sssd.verifier.factory import build_engine
 

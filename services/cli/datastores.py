@@ -46,8 +46,8 @@ def has_shards(directory: Path) -> bool:
 
 def ensure_sharegpt_datastore(root: Path, tokenizer, num_records: int) -> Path:
     """The datastore of ShareGPT records [0, num_records), built on first use."""
-    from sssd.common.corpus import iter_conversation_token_ids, iter_sharegpt
-    from sssd.common.tokenizer import tokenizer_fingerprint, vocab_size
+    from sssd.common.data.corpus import iter_conversation_token_ids, iter_sharegpt
+    from sssd.common.model.tokenizer import tokenizer_fingerprint, vocab_size
     from sssd.datastore.build import build_datastore
 
     fingerprint = tokenizer_fingerprint(tokenizer)

@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 
 from sssd.cli.datastores import DEFAULT_DATA_DIR, default_data_dir, ensure_sharegpt_datastore
-from sssd.common.corpus import first_turns, prompt_token_ids, read_mt_bench
-from sssd.common.draft_tree import DraftTree
-from sssd.common.drafting import DraftRequest
-from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
+from sssd.common.data.corpus import first_turns, prompt_token_ids, read_mt_bench
+from sssd.common.drafting.draft_tree import DraftTree
+from sssd.common.drafting.proposer import DraftRequest
+from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
 from sssd.drafter.client import RemoteDrafter
 from sssd.drafter.config import DrafterConfig
 from sssd.drafter.service import create_server

@@ -35,7 +35,7 @@ ENGINE_FLAGS = ("model", "dtype", "budget_policy", "knee_intensity", "max_budget
 
 def main(argv: list[str] | None = None) -> None:
     from sssd.cli.datastores import add_datastore_arguments
-    from sssd.common.flags import add_flags, flag_values
+    from sssd.common.config.flags import add_flags, flag_values
     from sssd.verifier.engine.config import EngineConfig
 
     parser = argparse.ArgumentParser(prog="sssd-generate", description=__doc__,
@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> None:
                         "%(message)s")
 
     from sssd.cli.datastores import NoDatastore, pick_datastore
-    from sssd.common.corpus import prompt_token_ids
-    from sssd.common.model_loader import load_causal_lm
+    from sssd.common.data.corpus import prompt_token_ids
+    from sssd.common.model.loader import load_causal_lm
     from sssd.drafter.config import DrafterConfig
     from sssd.drafter.service import create_server
     from sssd.verifier.factory import build_engine

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 # process that then uses gRPC, so the handlers are not needed. Read when grpc is first imported.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from sssd.common.ports import GENERATE_PORT
+from sssd.common.rpc.ports import GENERATE_PORT
 from sssd.verifier.engine.config import SERVING_PROFILE_PATH
 
 if TYPE_CHECKING:
@@ -107,8 +107,8 @@ SERVE_ENGINE_DEFAULTS = {"budget_policy": "measured",
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from sssd.common.flags import add_flags
-    from sssd.common.tls import add_tls_flags
+    from sssd.common.config.flags import add_flags
+    from sssd.common.rpc.tls import add_tls_flags
     from sssd.verifier.engine.config import EngineConfig
     from sssd.verifier.serving.config import FrontendConfig, RayConfig
 
@@ -136,8 +136,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from sssd.common.tls import tls_from_args
-    from sssd.indexer.redis_server import use_password_file
+    from sssd.common.rpc.tls import tls_from_args
+    from sssd.common.conversations.redis_server import use_password_file
     from sssd.verifier.serving.frontend import serve
 
     try:
@@ -153,7 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def serve_config(args: argparse.Namespace) -> "FrontendConfig":
     """The FrontendConfig of parsed `sssd serve` flags (ValueError for a bad combination)."""
-    from sssd.common.flags import from_args
+    from sssd.common.config.flags import from_args
     from sssd.verifier.engine.config import EngineConfig
     from sssd.verifier.serving.config import FrontendConfig, RayConfig
 
@@ -161,10 +161,10 @@ def serve_config(args: argparse.Namespace) -> "FrontendConfig":
         if args.ray else None
     publish = None
     if args.redis_url:
-        from sssd.indexer.producer import PublishConfig
+        from sssd.common.conversations.publisher import PublishConfig
 
         stream = {"stream": args.stream} if args.stream else {}
-        from sssd.indexer.redis_server import configured_password
+        from sssd.common.conversations.redis_server import configured_password
 
         publish = PublishConfig(args.redis_url, str(Path(args.spool_dir).absolute()), **stream,
                                 password=configured_password())

@@ -20,7 +20,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from sssd.common.model_files import cache_dir
+from sssd.common.model.files import cache_dir
 
 
 @dataclass(frozen=True)

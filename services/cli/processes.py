@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from sssd.common import tls
+from sssd.common.rpc import tls
 
 
 def start_service(name: str, command: list[str], host: str, port: int,

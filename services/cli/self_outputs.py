@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 if TYPE_CHECKING:
-    from sssd.common.model_loader import LoadedModel
+    from sssd.common.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def _truncate_partial_line(path: Path) -> None:
 def generate(directory: Path, loaded: LoadedModel, start: int, stop: int, max_tokens: int,
              batch_size: int, max_prompt_tokens: int) -> int:
     """Answers ShareGPT records [start, stop) not yet in the file; returns how many it added."""
-    from sssd.common.corpus import conversation_token_ids, iter_sharegpt, sharegpt_messages
+    from sssd.common.data.corpus import conversation_token_ids, iter_sharegpt, sharegpt_messages
     from sssd.verifier.engine import EngineConfig, GenerateRequest
     from sssd.verifier.factory import build_engine
 
@@ -136,7 +136,7 @@ def build(directory: Path, num_conversations: int, sharegpt_records: int = 0) ->
     answers are shards of origin "model" and ShareGPT of origin "corpus", so the drafter weights
     the answers (ALGORITHM.md, "Shard weights").
     """
-    from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
+    from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
     from sssd.datastore.build import build_datastore
     from sssd.datastore.manifest import read_manifest
 
@@ -161,7 +161,7 @@ def build(directory: Path, num_conversations: int, sharegpt_records: int = 0) ->
     facts = (vocab_size(tokenizer), tokenizer_fingerprint(tokenizer))
     num_answer_tokens = sum(len(d) for d in documents)
     if sharegpt_records:
-        from sssd.common.corpus import iter_conversation_token_ids, iter_sharegpt
+        from sssd.common.data.corpus import iter_conversation_token_ids, iter_sharegpt
 
         records = tqdm(iter_sharegpt(0, sharegpt_records), total=sharegpt_records,
                        desc="tokenizing ShareGPT", unit="conv")
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "generate":
         if not 0 <= args.start < args.stop:
             parser.error("need 0 <= --start < --stop")
-        from sssd.common.model_loader import load_causal_lm
+        from sssd.common.model.loader import load_causal_lm
 
         try:
             added = generate(args.dir, load_causal_lm(None, args.dtype), args.start, args.stop,

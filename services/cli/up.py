@@ -66,9 +66,9 @@ INDEXER_DEFAULTS = {"build_tokens": 20_000, "build_interval_s": 30.0}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from sssd.cli.datastores import add_datastore_arguments
-    from sssd.common.flags import add_flags
-    from sssd.common.tls import add_tls_flags
-    from sssd.common.ports import (DRAFTER_PORT, INDEXER_METRICS_PORT, INDEXER_PORT, REDIS_PORT,
+    from sssd.common.config.flags import add_flags
+    from sssd.common.rpc.tls import add_tls_flags
+    from sssd.common.rpc.ports import (DRAFTER_PORT, INDEXER_METRICS_PORT, INDEXER_PORT, REDIS_PORT,
                                    SPECULATOR_METRICS_PORT, SPECULATOR_PORT)
     from sssd.indexer.indexer import IndexerConfig
     from sssd.verifier.engine.config import EngineConfig
@@ -134,14 +134,14 @@ def run(args: argparse.Namespace) -> int:
     from sssd.cli.processes import (start_drafter, start_indexer, start_speculator,
                                     stop_process)
     from sssd.cli.supervisor import Supervisor
-    from sssd.common.flags import from_args
-    from sssd.common.ports import busy_ports
-    from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
+    from sssd.common.config.flags import from_args
+    from sssd.common.rpc.ports import busy_ports
+    from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
     from sssd.datastore.build import link_datastore
     from sssd.datastore.manifest import read_manifest
-    from sssd.indexer.producer import PublishConfig
-    from sssd.common.tls import tls_from_args
-    from sssd.indexer.redis_server import (PASSWORD_ENV, PASSWORD_FILE_ENV, RedisServer,
+    from sssd.common.conversations.publisher import PublishConfig
+    from sssd.common.rpc.tls import tls_from_args
+    from sssd.common.conversations.redis_server import (PASSWORD_ENV, PASSWORD_FILE_ENV, RedisServer,
                                            ensure_password_file, use_password_file)
     from sssd.verifier.engine.config import EngineConfig
     from sssd.verifier.serving.config import FrontendConfig, RayConfig

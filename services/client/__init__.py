@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from sssd.common import tls
-from sssd.common.totals import Totals
+from sssd.common.rpc import tls
+from sssd.common.rpc.totals import Totals
 from sssd.v1 import generate_pb2, generate_pb2_grpc
 
 SPECULATION = {"auto": generate_pb2.SPECULATION_MODE_AUTO,
@@ -132,7 +132,7 @@ class GenerationClient:
     def __init__(self, target: str, retry: RetryPolicy = RetryPolicy(),
                  timeout_s: float | None = None, tls_files: tls.TlsFiles | None = None) -> None:
         """`timeout_s`: deadline of each call (None: none). `tls_files`: TLS to the server
-        (default: the SSSD_TLS_* variables, see sssd.common.tls; none set: plaintext)."""
+        (default: the SSSD_TLS_* variables, see sssd.common.rpc.tls; none set: plaintext)."""
         self.target, self.retry, self.timeout_s = target, retry, timeout_s
         self._channel = tls.channel(target, tls_files)
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)

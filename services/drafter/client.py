@@ -1,4 +1,4 @@
-"""`RemoteDrafter`: the drafting interface (`Proposer`, sssd.common.drafting) over gRPC.
+"""`RemoteDrafter`: the drafting interface (`Proposer`, sssd.common.drafting.proposer) over gRPC.
 
 It behaves like the in-process `Drafter`, exceptions included, so a decode worker can use either:
 NOT_FOUND becomes `SequenceNotFound` (with the unknown ids), INVALID_ARGUMENT `ValueError`,
@@ -14,10 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from sssd.common.draft_tree import DraftTree
-from sssd.common.drafting import DraftRequest
-from sssd.common import tls
-from sssd.common.rpc import CLIENT_CHANNEL_OPTIONS, unary
+from sssd.common.drafting.draft_tree import DraftTree
+from sssd.common.drafting.proposer import DraftRequest
+from sssd.common.rpc import tls
+from sssd.common.rpc.tls import CLIENT_CHANNEL_OPTIONS
+from sssd.common.rpc.status import unary
 from sssd.v1 import drafter_pb2, drafter_pb2_grpc
 
 
@@ -47,7 +48,7 @@ class RemoteDrafter:
 
     def __init__(self, target: str, timeout_s: float = 1.0,
                  tls_files: tls.TlsFiles | None = None) -> None:
-        """`tls_files`: TLS to the drafter (default: SSSD_TLS_*, see sssd.common.tls)."""
+        """`tls_files`: TLS to the drafter (default: SSSD_TLS_*, see sssd.common.rpc.tls)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.target = target

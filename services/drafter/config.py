@@ -8,9 +8,9 @@ import os
 from dataclasses import dataclass, field
 
 from sssd import _core
-from sssd.common.flags import add_flags, from_args, option
-from sssd.common.ports import DRAFTER_PORT
-from sssd.common.tls import add_tls_flags, tls_from_args
+from sssd.common.config.flags import add_flags, from_args, option
+from sssd.common.rpc.ports import DRAFTER_PORT
+from sssd.common.rpc.tls import add_tls_flags, tls_from_args
 
 ENV_PREFIX = "SSSD_DRAFTER_"
 
@@ -113,7 +113,7 @@ class DrafterConfig:
         add_tls_flags(parser)
         args = parser.parse_args(argv)
         try:
-            tls_from_args(args)  # the server binds with it (sssd.common.tls)
+            tls_from_args(args)  # the server binds with it (sssd.common.rpc.tls)
             return from_args(cls, args, params=from_args(DraftParams, args))
         except ValueError as exc:
             parser.error(str(exc))

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from sssd import _core
-from sssd.common.draft_tree import DraftTree
-from sssd.common.drafting import CapacityError, DraftRequest, SequenceNotFound
+from sssd.common.drafting.draft_tree import DraftTree
+from sssd.common.drafting.proposer import CapacityError, DraftRequest, SequenceNotFound
 from sssd.drafter.config import DrafterConfig
 from sssd.drafter.watcher import DatastoreWatcher
 
@@ -27,14 +27,14 @@ class _Sequence:
 
 
 class Drafter:
-    """The in-process SSSD `Proposer` (sssd.common.drafting). Call `start()` first (or use it
+    """The in-process SSSD `Proposer` (sssd.common.drafting.proposer). Call `start()` first (or use it
     as a context manager): it loads the datastore and watches its manifest.
 
         with Drafter(DrafterConfig(datastore_dir="var/ds", vocab_size=49152)) as drafter:
             trees = drafter.propose([DraftRequest("seq-1", prompt_ids, 8, is_start=True)])
     """
 
-    hindsight_drafts = True  # trees are best-first and cheap: see sssd.common.drafting
+    hindsight_drafts = True  # trees are best-first and cheap: see sssd.common.drafting.proposer
 
     def __init__(self, config: DrafterConfig) -> None:
         self.config = config

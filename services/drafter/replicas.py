@@ -13,7 +13,7 @@ sequences move through the drafting interface's re-send path: the call raises
 start on their new owners. A failed replica is skipped for `down_s` seconds and taken back only
 once the standard gRPC health check says it serves.
 
-Targets (`sssd.common.targets.parse_targets`): "host:port" (one replica), "h1:p1,h2:p2,..."
+Targets (`sssd.common.rpc.targets.parse_targets`): "host:port" (one replica), "h1:p1,h2:p2,..."
 (a static list), or "dns:///name:port" (re-resolved every `resolve_interval_s`).
 """
 
@@ -29,11 +29,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sssd.common import tls
-from sssd.common.batch_split import Split, propose_split, raise_failure
-from sssd.common.draft_tree import DraftTree
-from sssd.common.drafting import DraftRequest, Proposer, SequenceNotFound
-from sssd.common.targets import Resolver, StaticResolver, parse_targets, rendezvous_owner
+from sssd.common.rpc import tls
+from sssd.common.drafting.batch_split import Split, propose_split, raise_failure
+from sssd.common.drafting.draft_tree import DraftTree
+from sssd.common.drafting.proposer import DraftRequest, Proposer, SequenceNotFound
+from sssd.common.rpc.targets import Resolver, StaticResolver, parse_targets, rendezvous_owner
 from sssd.drafter.client import RemoteDrafter
 
 logger = logging.getLogger(__name__)

@@ -17,11 +17,12 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from sssd.common.draft_tree import DraftTree
-from sssd.common.drafting import DraftRequest
-from sssd.common import tls
-from sssd.common.rpc import call_or_abort, serve_until_signal
-from sssd.common.targets import address
+from sssd.common.drafting.draft_tree import DraftTree
+from sssd.common.drafting.proposer import DraftRequest
+from sssd.common.rpc import tls
+from sssd.common.rpc.status import call_or_abort
+from sssd.common.rpc.server import serve_until_signal
+from sssd.common.rpc.targets import address
 from sssd.drafter.config import DrafterConfig
 from sssd.drafter.drafter import Drafter
 from sssd.v1 import drafter_pb2, drafter_pb2_grpc

@@ -42,14 +42,14 @@ from pathlib import Path
 
 import numpy as np
 
-from sssd.common.flags import option
-from sssd.common.ports import REDIS_PORT
+from sssd.common.config.flags import option
+from sssd.common.rpc.ports import REDIS_PORT
 from sssd.datastore.build import DEFAULT_SHARD_TOKENS, next_shard_index, shard_name
 from sssd.datastore.manifest import EMPTY_MANIFEST, Manifest, read_manifest, write_manifest
 from sssd.datastore.shard import SEPARATOR, make_stream, read_meta, write_shard
 from sssd.indexer.compaction import keep_newest, plan_merge
-from sssd.indexer.redis_server import connect
-from sssd.indexer.conversations import (
+from sssd.common.conversations.redis_server import connect
+from sssd.common.conversations.record import (
     DEAD_LETTER_STREAM,
     STREAM,
     MalformedEntry,

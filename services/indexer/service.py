@@ -33,20 +33,20 @@ from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
-from sssd.common.ports import INDEXER_METRICS_PORT, INDEXER_PORT
+from sssd.common.rpc.ports import INDEXER_METRICS_PORT, INDEXER_PORT
 
 logger = logging.getLogger(__name__)
 
 
 def tokenizer_facts(model: str | None) -> tuple[object, int, str]:
-    from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
+    from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
 
     tokenizer = load_tokenizer(model)
     return tokenizer, vocab_size(tokenizer), tokenizer_fingerprint(tokenizer)
 
 
 def corpus_documents(path: Path, tokenizer) -> Iterator[list[int]]:
-    from sssd.common.corpus import conversation_token_ids, sharegpt_messages
+    from sssd.common.data.corpus import conversation_token_ids, sharegpt_messages
 
     with open(path) as f:
         for number, line in enumerate(f, 1):
@@ -144,10 +144,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from sssd.common import tls
-    from sssd.common.flags import from_args
+    from sssd.common.rpc import tls
+    from sssd.common.config.flags import from_args
     from sssd.indexer.indexer import Indexer, IndexerConfig
-    from sssd.indexer.redis_server import RedisServer, use_password_file
+    from sssd.common.conversations.redis_server import RedisServer, use_password_file
 
     if args.vocab_size and args.tokenizer_fingerprint:
         vocab_size, fingerprint = args.vocab_size, args.tokenizer_fingerprint
@@ -209,8 +209,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """`sssd-indexer run | offline` and their flags."""
-    from sssd.common.flags import add_flags
-    from sssd.common.tls import add_tls_flags
+    from sssd.common.config.flags import add_flags
+    from sssd.common.rpc.tls import add_tls_flags
     from sssd.indexer.indexer import IndexerConfig
 
     parser = argparse.ArgumentParser(prog="sssd-indexer", description=__doc__,

@@ -20,10 +20,11 @@ from typing import Any, Protocol
 import grpc
 import numpy as np
 
-from sssd.common.draft_tree import DraftTree
-from sssd.common.drafting import DraftRequest, Proposer, SequenceNotFound
-from sssd.common import tls
-from sssd.common.rpc import CLIENT_CHANNEL_OPTIONS, unary
+from sssd.common.drafting.draft_tree import DraftTree
+from sssd.common.drafting.proposer import DraftRequest, Proposer, SequenceNotFound
+from sssd.common.rpc import tls
+from sssd.common.rpc.tls import CLIENT_CHANNEL_OPTIONS
+from sssd.common.rpc.status import unary
 from sssd.speculator.speculator import FingerprintMismatch, RoundInput, RoundOutput
 from sssd.v1 import speculator_pb2, speculator_pb2_grpc
 
@@ -43,7 +44,7 @@ class RemoteSpeculator:
 
     def __init__(self, target: str, timeout_s: float = 1.0,
                  tls_files: tls.TlsFiles | None = None) -> None:
-        """`tls_files`: TLS to the speculator (default: SSSD_TLS_*, sssd.common.tls)."""
+        """`tls_files`: TLS to the speculator (default: SSSD_TLS_*, sssd.common.rpc.tls)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.target = target

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from sssd.common.flags import add_flags, from_args, option
-from sssd.common.model_loader import ALLOWED_DTYPES as DTYPES
-from sssd.common.ports import SPECULATOR_METRICS_PORT, SPECULATOR_PORT
-from sssd.common.tls import add_tls_flags, tls_from_args
+from sssd.common.config.flags import add_flags, from_args, option
+from sssd.common.model.loader import ALLOWED_DTYPES as DTYPES
+from sssd.common.rpc.ports import SPECULATOR_METRICS_PORT, SPECULATOR_PORT
+from sssd.common.rpc.tls import add_tls_flags, tls_from_args
 from sssd.speculator.fanout import FANOUTS
 
 ENV_PREFIX = "SSSD_SPECULATOR_"
@@ -90,7 +90,7 @@ class SpeculatorConfig:
         add_tls_flags(parser)
         args = parser.parse_args(argv)
         try:
-            tls_from_args(args)  # the server binds with it (sssd.common.tls)
+            tls_from_args(args)  # the server binds with it (sssd.common.rpc.tls)
             return from_args(cls, args)
         except ValueError as exc:
             parser.error(str(exc))

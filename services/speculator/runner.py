@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sssd.common.kv_cache import SlotKVCache
+from sssd.common.model.kv_cache import SlotKVCache
 
 # The step's key length is rounded up to this (fewer distinct shapes; no invariance needed).
 _KV_ALIGN = 32

@@ -17,9 +17,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from sssd.common import tls
-from sssd.common.rpc import call_or_abort, serve_until_signal
-from sssd.common.targets import address
+from sssd.common.rpc import tls
+from sssd.common.rpc.status import call_or_abort
+from sssd.common.rpc.server import serve_until_signal
+from sssd.common.rpc.targets import address
 from sssd.speculator.config import SpeculatorConfig
 from sssd.speculator.speculator import FingerprintMismatch, RoundInput, Speculator
 from sssd.v1 import speculator_pb2, speculator_pb2_grpc
@@ -30,7 +31,7 @@ SERVICE_NAME = speculator_pb2.DESCRIPTOR.services_by_name["Speculator"].full_nam
 T = TypeVar("T")
 
 if TYPE_CHECKING:
-    from sssd.common.model_loader import LoadedModel
+    from sssd.common.model.loader import LoadedModel
 
 
 def truncated(model, num_layers: int):  # type: ignore[no-untyped-def]
@@ -61,7 +62,7 @@ def build_speculator(config: SpeculatorConfig,
     """Loads the draft model (or takes `loaded`) and builds the core."""
     import torch
 
-    from sssd.common.model_loader import load_causal_lm
+    from sssd.common.model.loader import load_causal_lm
     from sssd.speculator.runner import DraftRunner
 
     if loaded is None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sssd.common.drafting import CapacityError, SequenceNotFound
+from sssd.common.drafting.proposer import CapacityError, SequenceNotFound
 from sssd.speculator.fanout import FanoutEstimator, fanout
 from sssd.speculator.runner import DraftRunner, Node, chain_nodes
 from sssd.speculator.sampling import saguaro_probs

@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from sssd.common.model_loader import LoadedModel, load_causal_lm
+from sssd.common.model.loader import LoadedModel, load_causal_lm
 from sssd.verifier.engine.budget_policy import (
     DEFAULT_ACCEPTANCE_PRIOR,
     BudgetPolicy,

@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from sssd.common.draft_tree import DraftTree
-from sssd.common.drafting import DraftRequest, Proposer, SequenceNotFound
-from sssd.common.flags import env_values, field_kind, flag_fields, option
+from sssd.common.drafting.draft_tree import DraftTree
+from sssd.common.drafting.proposer import DraftRequest, Proposer, SequenceNotFound
+from sssd.common.config.flags import env_values, field_kind, flag_fields, option
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ def _check_tokenizer(drafter: Any, vllm_config: Any, target: str) -> None:
     """Refuses a drafter whose datastore was built with another tokenizer than vLLM's model."""
     from transformers import AutoTokenizer
 
-    from sssd.common.tokenizer import tokenizer_fingerprint
+    from sssd.common.model.tokenizer import tokenizer_fingerprint
 
     # One replica's GetInfo has the fingerprint; a replica set reports its replicas instead.
     theirs = drafter.info().get("tokenizer_fingerprint", "")

@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from draft_quality import ReferenceDrafter, reference_vocab, replay  # noqa: E402
 
-from sssd.common.drafting import DraftRequest  # noqa: E402
+from sssd.common.drafting.proposer import DraftRequest  # noqa: E402
 
 
 class FakeReader:

@@ -11,7 +11,7 @@ import numpy as np
 
 from sssd.cli.processes import start_drafter
 from sssd.cli.supervisor import Supervisor
-from sssd.common.drafting import DraftRequest
+from sssd.common.drafting.proposer import DraftRequest
 
 
 def test_a_killed_drafter_is_started_again_and_its_client_goes_on(tmp_path, free_port,

@@ -1,6 +1,6 @@
 import pytest
 
-from sssd.common.budget import H100_SXM, Accelerator, speculation_budget
+from sssd.verifier.engine.budget_rule import H100_SXM, Accelerator, speculation_budget
 
 
 def test_budget_is_knee_over_batch_size_with_caps():

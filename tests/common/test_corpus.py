@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from sssd.common import corpus
+from sssd.common.data import corpus
 
 RECORDS = [
     {"id": "a_0", "conversations": [{"from": "human", "value": "Hi, [what] is {1}?"},

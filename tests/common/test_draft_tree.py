@@ -1,6 +1,6 @@
 import numpy as np
 
-from sssd.common.draft_tree import DraftTree
+from sssd.common.drafting.draft_tree import DraftTree
 
 
 def tree(tokens, parents, probs=None):

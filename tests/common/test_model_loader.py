@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from sssd.common.model_files import resolve_model
-from sssd.common.model_files import save_atomically
-from sssd.common.model_loader import (LoadedModel, load_causal_lm,
+from sssd.common.model.files import resolve_model
+from sssd.common.model.files import save_atomically
+from sssd.common.model.loader import (LoadedModel, load_causal_lm,
                                       model_cache_dir)
-from sssd.common.tokenizer import tokenizer_cache_dir, tokenizer_fingerprint
+from sssd.common.model.tokenizer import tokenizer_cache_dir, tokenizer_fingerprint
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from sssd.common.drafting import DraftRequest, Proposer, SequenceNotFound
-from sssd.common.source_router import CostChooser, SourceRouter
+from sssd.common.drafting.proposer import DraftRequest, Proposer, SequenceNotFound
+from sssd.common.drafting.router import CostChooser, SourceRouter
 
 
 def start(seq_id, tokens=(5, 6), source="", budget=4):

@@ -12,9 +12,9 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sssd.common import tls
-from sssd.common.drafting import DraftRequest
-from sssd.common.tls import TlsFiles
+from sssd.common.rpc import tls
+from sssd.common.drafting.proposer import DraftRequest
+from sssd.common.rpc.tls import TlsFiles
 from sssd.drafter.client import RemoteDrafter
 
 
@@ -106,8 +106,8 @@ def test_speculator_and_generate_api_serve_mutual_tls(spawn_service, pki):
 
 def test_indexer_health_serves_tls_and_redis_requires_the_configured_password(
         tmp_path, pki, free_port, wait_until):
-    from sssd.indexer.conversations import Conversation
-    from sssd.indexer.redis_server import RedisServer, ensure_password_file
+    from sssd.common.conversations.record import Conversation
+    from sssd.common.conversations.redis_server import RedisServer, ensure_password_file
 
     password_file = ensure_password_file(tmp_path / "redis-password")
     assert oct(password_file.stat().st_mode & 0o777) == "0o600"
@@ -162,7 +162,7 @@ def test_health_probe_checks_a_tls_service_the_way_the_charts_exec_probe_runs_it
 
     from grpc_health.v1 import health
 
-    from sssd.common.health_probe import main as probe
+    from sssd.common.rpc.health_probe import main as probe
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = health.HealthServicer()

@@ -174,7 +174,7 @@ def containers(objects):
 
 def env_fields(*config_classes) -> set[str]:
     """The environment names a service reads: PREFIX_<FIELD> for its option fields."""
-    from sssd.common.flags import flag_fields
+    from sssd.common.config.flags import flag_fields
 
     return {f.name.upper() for cls in config_classes for f in flag_fields(cls)}
 
@@ -289,7 +289,7 @@ def test_tls_mounts_the_secret_into_every_sssd_process_and_probes_through_it(ren
     the Secret's three files, read-only, and SSSD_TLS_* pointing at them; the gRPC probes
     become exec probes of sssd-health-probe that verify the component's Service name; without
     it, nothing of this is rendered."""
-    from sssd.common.health_probe import build_parser
+    from sssd.common.rpc.health_probe import build_parser
 
     objects = render(VALUE_SETS["tls"])
     services = {s["metadata"]["name"] for s in by_kind(objects, "Service")}

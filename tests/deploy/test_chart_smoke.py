@@ -165,7 +165,7 @@ def expand(text: str, env: dict[str, str]) -> str:
 
 def executable(name: str) -> str:
     if name == "redis-server":
-        from sssd.indexer.redis_server import redis_server_binary
+        from sssd.common.conversations.redis_server import redis_server_binary
 
         return redis_server_binary()
     local = Path(sys.executable).with_name(name)  # the console scripts of this environment
@@ -206,7 +206,7 @@ def ray_start_command(cluster: dict, gcs_port: int, metrics_port: int,
 def test_what_the_chart_renders_runs_and_answers(render, free_port, tmp_path, ca_factory):
     from sssd.client import GenerationClient, RetryPolicy
 
-    from sssd.common.tls import TlsFiles
+    from sssd.common.rpc.tls import TlsFiles
 
     cluster = LocalCluster(render(VALUES), free_port, tmp_path)
     # The Secret tls.secretName names, as cert-manager would write it: one identity for every

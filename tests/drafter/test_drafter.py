@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from sssd import _core
-from sssd.common.draft_tree import DraftTree
-from sssd.common.drafting import CapacityError, DraftRequest, SequenceNotFound
+from sssd.common.drafting.draft_tree import DraftTree
+from sssd.common.drafting.proposer import CapacityError, DraftRequest, SequenceNotFound
 from sssd.datastore.build import build_datastore
 from sssd.datastore.manifest import read_manifest, write_manifest
 from sssd.datastore.shard import make_stream, write_shard

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from sssd.common.drafting import DraftRequest, SequenceNotFound
-from sssd.common.targets import DnsResolver, StaticResolver, parse_targets, rendezvous_owner
+from sssd.common.drafting.proposer import DraftRequest, SequenceNotFound
+from sssd.common.rpc.targets import DnsResolver, StaticResolver, parse_targets, rendezvous_owner
 from sssd.drafter.client import RemoteDrafter
 from sssd.drafter.replicas import ReplicatedDrafter, connect
 from sssd.verifier.engine import GenerateRequest

@@ -243,7 +243,7 @@ def tokens(size):
 
 @pytest.fixture(scope="module")
 def fingerprint(tokenizer):
-    from sssd.common.tokenizer import tokenizer_fingerprint
+    from sssd.common.model.tokenizer import tokenizer_fingerprint
 
     return tokenizer_fingerprint(tokenizer)
 
@@ -288,7 +288,7 @@ def test_the_drafter_answers_every_fuzzed_call_clearly(spawn_service, datastore,
                                   drain=True)
     context = np.arange(10, 40, dtype=np.int32)
     with RemoteDrafter(f"127.0.0.1:{port}", timeout_s=30) as client:
-        from sssd.common.drafting import DraftRequest
+        from sssd.common.drafting.proposer import DraftRequest
 
         (expected,) = client.propose([DraftRequest("probe", context, 16, is_start=True)])
         client.end(["probe"])
@@ -383,7 +383,7 @@ def test_the_indexer_health_service_answers_fuzzed_calls_clearly(spawn_service, 
                                                                  fingerprint, free_port):
     import subprocess
 
-    from sssd.indexer.redis_server import RedisServer
+    from sssd.common.conversations.redis_server import RedisServer
 
     port = free_port()
     with RedisServer(tmp_path / "redis") as redis_server:

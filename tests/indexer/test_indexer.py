@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 import redis
 
-from sssd.common.drafting import DraftRequest
+from sssd.common.drafting.proposer import DraftRequest
 from sssd.datastore.build import read_documents
 from sssd.datastore.manifest import read_manifest
 from sssd.drafter.config import DrafterConfig
 from sssd.drafter.drafter import Drafter
-from sssd.indexer.conversations import Conversation
+from sssd.common.conversations.record import Conversation
 from sssd.datastore.shard import read_meta
 from sssd.indexer.compaction import keep_newest, plan_merge, tier
 from sssd.indexer.indexer import Indexer, IndexerConfig, SimulatedCrash
-from sssd.indexer.producer import ConversationPublisher
-from sssd.indexer.redis_server import RedisServer
+from sssd.common.conversations.publisher import ConversationPublisher
+from sssd.common.conversations.redis_server import RedisServer
 
 VOCAB = 500
 FINGERPRINT = "f" * 64
@@ -204,7 +204,7 @@ def test_retention_drops_the_oldest_shards_beyond_max_tokens(tmp_path, redis_ser
 
 def test_the_stream_is_trimmed_only_up_to_what_is_indexed(tmp_path, redis_server, names,
                                                          monkeypatch):
-    from sssd.indexer import producer
+    from sssd.common.conversations import publisher as producer
 
     config = make_config(tmp_path, redis_server, names, build_tokens=10**6,
                          backlog_alert_entries=4)

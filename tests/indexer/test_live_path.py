@@ -7,12 +7,12 @@ import time
 import pytest
 
 from sssd.client import GenerationClient, RetryPolicy
-from sssd.common.corpus import prompt_token_ids
-from sssd.common.drafting import DraftRequest
+from sssd.common.data.corpus import prompt_token_ids
+from sssd.common.drafting.proposer import DraftRequest
 from sssd.datastore.build import read_documents
 from sssd.indexer.indexer import Indexer, IndexerConfig
-from sssd.indexer.producer import PublishConfig
-from sssd.indexer.redis_server import RedisServer
+from sssd.common.conversations.publisher import PublishConfig
+from sssd.common.conversations.redis_server import RedisServer
 from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.serving.frontend import FrontendConfig, start_frontend
 
@@ -116,7 +116,7 @@ def test_redis_down_while_requests_run_loses_no_request_and_no_conversation(
 def test_offline_build_from_a_corpus_file(tmp_path, tokenizer):
     import json
 
-    from sssd.common.tokenizer import tokenizer_fingerprint
+    from sssd.common.model.tokenizer import tokenizer_fingerprint
     from sssd.datastore.manifest import read_manifest
     from sssd.datastore.shard import read_meta
     from sssd.indexer.service import main

@@ -7,7 +7,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sssd.common.status import parse_unknown_ids
+from sssd.common.rpc.status import parse_unknown_ids
 from sssd.speculator.client import RemoteSpeculator, SsdProposer
 from sssd.speculator.config import SpeculatorConfig
 from sssd.speculator.service import SERVICE_NAME, create_server

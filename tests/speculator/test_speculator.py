@@ -3,7 +3,7 @@ seeded output, the speculation cache, and the round protocol's checks."""
 
 import pytest
 
-from sssd.common.drafting import CapacityError, SequenceNotFound
+from sssd.common.drafting.proposer import CapacityError, SequenceNotFound
 from sssd.speculator.client import SsdProposer
 from sssd.speculator.speculator import FingerprintMismatch, RoundInput
 from sssd.verifier.engine import GenerateRequest, SamplingParams

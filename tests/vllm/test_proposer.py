@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from sssd.common.draft_tree import DraftTree
+from sssd.common.drafting.draft_tree import DraftTree
 from sssd.vllm.proposer import ProposerSettings, SssdProposer, best_path
 
 MAX_LEN = 64

@@ -50,7 +50,7 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    from sssd.common.corpus import first_turns, read_mt_bench
+    from sssd.common.data.corpus import first_turns, read_mt_bench
 
     out = []
     for text in first_turns(read_mt_bench())[:NUM_PROMPTS]:
@@ -102,7 +102,7 @@ def references(in_process_engines, model_dir, prompts):
 @pytest.fixture(scope="module")
 def datastore(tmp_path_factory, tokenizer, references):
     """vLLM's answers to half the prompts, so that drafts are accepted, and nothing else."""
-    from sssd.common.tokenizer import tokenizer_fingerprint
+    from sssd.common.model.tokenizer import tokenizer_fingerprint
     from sssd.datastore.build import build_datastore
 
     directory = tmp_path_factory.mktemp("datastore")
@@ -123,7 +123,7 @@ def drafter(datastore, tokenizer):
     import re
     import subprocess
 
-    from sssd.common.tokenizer import tokenizer_fingerprint
+    from sssd.common.model.tokenizer import tokenizer_fingerprint
 
     class Drafter:
         process = None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sssd.common.flags import option
-from sssd.common.targets import parse_targets
+from sssd.common.config.flags import option
+from sssd.common.rpc.targets import parse_targets
 
 # ar: no speculation (the baseline); prompt_lookup: input trie only; sssd: trie + datastore;
 # ssd: the speculator service's draft model, SSSD for its fallback.

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sssd.common.draft_tree import DraftTree
-from sssd.common.drafting import DraftRequest, Proposer, SequenceNotFound
-from sssd.common.source_router import SourceRouter
+from sssd.common.drafting.draft_tree import DraftTree
+from sssd.common.drafting.proposer import DraftRequest, Proposer, SequenceNotFound
+from sssd.common.drafting.router import SourceRouter
 from sssd.verifier.engine.acceptance import AcceptResult, accept_at_positions, accept_greedy
 from sssd.verifier.engine.budget_policy import BudgetPolicy
 from sssd.verifier.engine.detokenizer import Decode, IncrementalDetokenizer, find_stop

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from sssd.common.draft_tree import DraftTree
+from sssd.common.drafting.draft_tree import DraftTree
 from sssd.verifier.engine.acceptance import TreeIndex
 from sssd.verifier.engine.sequence import Sequence
 

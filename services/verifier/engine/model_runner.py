@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import torch
 
-from sssd.common.draft_tree import DraftTree
+from sssd.common.drafting.draft_tree import DraftTree
 from sssd.verifier.engine.handoff import PrefilledPrompt
-from sssd.common.kv_cache import SlotKVCache
+from sssd.common.model.kv_cache import SlotKVCache
 from sssd.verifier.engine.tree_batch import KV_ALIGN, build_tree_batch, chain_tree
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sssd.common.draft_tree import DraftTree
-from sssd.common.kv_cache import KV_ALIGN
+from sssd.common.drafting.draft_tree import DraftTree
+from sssd.common.model.kv_cache import KV_ALIGN
 
 
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from sssd.common.totals import Totals
+from sssd.common.rpc.totals import Totals
 from sssd.verifier.engine.request import GenerateRequest, RequestLimits
 from sssd.verifier.serving.errors import Draining, Overloaded, StreamError
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from sssd.common.flags import option
-from sssd.common.ports import GENERATE_PORT, RAY_DASHBOARD_PORT, RAY_METRICS_PORT
+from sssd.common.config.flags import option
+from sssd.common.rpc.ports import GENERATE_PORT, RAY_DASHBOARD_PORT, RAY_METRICS_PORT
 from sssd.verifier.engine.config import EngineConfig
 
 if TYPE_CHECKING:
-    from sssd.indexer.producer import PublishConfig
+    from sssd.common.conversations.publisher import PublishConfig
 
 AUTH_MODES = ("disabled", "token")
 

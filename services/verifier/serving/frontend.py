@@ -23,8 +23,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from sssd.common import tls
-from sssd.common.targets import address
+from sssd.common.rpc import tls
+from sssd.common.rpc.targets import address
 from sssd.v1 import generate_pb2, generate_pb2_grpc
 from sssd.verifier.engine.request import GenerateRequest, InvalidRequest, SamplingParams
 from sssd.verifier.serving.backend import Backend, StreamEvent
@@ -132,7 +132,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             source=SOURCE_OF_MODE.get(mode, ""))
 
     def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        from sssd.common.corpus import conversation_token_ids
+        from sssd.common.data.corpus import conversation_token_ids
 
         return conversation_token_ids(self.tokenizer, messages, add_generation_prompt=True)
 
@@ -172,12 +172,12 @@ class Frontend:
     def load(self, loaded=None) -> None:
         """Loads the model and builds the backend (an engine loop here, or the Ray workers),
         then reports SERVING."""
-        from sssd.common.model_loader import load_causal_lm
+        from sssd.common.model.loader import load_causal_lm
 
         config = self.servicer.config
         engine_config = config.engine
         if config.ray is not None:
-            from sssd.common.tokenizer import load_tokenizer
+            from sssd.common.model.tokenizer import load_tokenizer
             from sssd.verifier.serving.ray_backend import RayBackend
 
             self.backend = RayBackend(engine_config, config.ray, config.max_requests,

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sssd.common.totals import Totals
+from sssd.common.rpc.totals import Totals
 from sssd.verifier.engine.detokenizer import stream_safe_end
 from sssd.verifier.engine.engine import Engine
 from sssd.verifier.engine.handoff import PrefilledPrompt
@@ -27,8 +27,8 @@ from sssd.verifier.serving.backend import Admission, RequestHandle, StepInfo, St
 from sssd.verifier.serving.errors import Draining, ErrorKind, StreamError
 
 if TYPE_CHECKING:
-    from sssd.common.model_loader import LoadedModel
-    from sssd.indexer.producer import PublishConfig
+    from sssd.common.model.loader import LoadedModel
+    from sssd.common.conversations.publisher import PublishConfig
     from sssd.verifier.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -283,7 +283,7 @@ def build_engine_loop(config: EngineConfig, loaded: LoadedModel, max_requests: i
         observers.append(sink)
     engine = build_engine(config, loaded, detokenize=True)
     if ray_metrics:
-        from sssd.common.source_router import SourceRouter
+        from sssd.common.drafting.router import SourceRouter
         from sssd.verifier.serving.metrics import DecodeMetrics
 
         router = engine.proposer if isinstance(engine.proposer, SourceRouter) else None

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from sssd.common.totals import Totals
+from sssd.common.rpc.totals import Totals
 from sssd.verifier.engine.output import StepOutput
 from sssd.verifier.engine.sequence import Sequence
 from sssd.verifier.serving.errors import StreamError

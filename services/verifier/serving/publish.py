@@ -2,7 +2,7 @@
 
 `ConversationSink` is an engine-loop observer. Each sequence a step finished normally ("stop" or
 "length"; cancelled and failed requests never reach `StepOutput.finished`) is handed, prompt and
-output token ids, to a `ConversationPublisher` (sssd.indexer.producer), which never blocks the
+output token ids, to a `ConversationPublisher` (sssd.common.conversations.publisher), which never blocks the
 loop.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 
-from sssd.indexer.conversations import Conversation
-from sssd.indexer.producer import ConversationPublisher, PublishConfig
+from sssd.common.conversations.record import Conversation
+from sssd.common.conversations.publisher import ConversationPublisher, PublishConfig
 from sssd.verifier.engine.output import StepOutput
 from sssd.verifier.serving.loop import LoopObserver
 

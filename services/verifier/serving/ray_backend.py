@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, replace
 
 from sssd.verifier.engine.config import EngineConfig
-from sssd.common.totals import Totals
+from sssd.common.rpc.totals import Totals
 from sssd.verifier.engine.request import GenerateRequest, RequestLimits
 from sssd.verifier.serving.backend import Admission, RequestHandle, StreamEvent
 from sssd.verifier.serving.config import RayConfig

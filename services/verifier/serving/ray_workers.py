@@ -38,7 +38,7 @@ class _ModelWorker:
     """What every worker does first: its torch threads, then its own copy of the model."""
 
     def __init__(self, config: EngineConfig, name: str, torch_threads: int):
-        from sssd.common.model_loader import load_causal_lm
+        from sssd.common.model.loader import load_causal_lm
 
         _set_threads(torch_threads)
         self.loaded = load_causal_lm(config.model, config.dtype)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from sssd.common.draft_tree import DraftTree
+from sssd.common.drafting.draft_tree import DraftTree
 from sssd.verifier.engine.model_runner import ModelRunner
 
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from sssd.common.draft_tree import DraftTree
-from sssd.common.drafting import SequenceNotFound
+from sssd.common.drafting.draft_tree import DraftTree
+from sssd.common.drafting.proposer import SequenceNotFound
 from sssd.verifier.engine import GenerateRequest
 
 

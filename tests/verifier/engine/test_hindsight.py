@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from sssd.common.draft_tree import DraftTree
+from sssd.common.drafting.draft_tree import DraftTree
 from sssd.verifier.engine.budget_policy import FixedBudget, ForwardProfile, MeasuredBudget
 from sssd.verifier.engine.hindsight import MAX_PENDING_GROUPS, HindsightTracker
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from sssd.common.draft_tree import DraftTree
-from sssd.common.kv_cache import SlotKVCache
+from sssd.common.drafting.draft_tree import DraftTree
+from sssd.common.model.kv_cache import SlotKVCache
 from sssd.verifier.engine.tree_batch import build_tree_batch
 
 HEADS, HEAD_DIM, MAX_LEN = 2, 8, 64

@@ -61,7 +61,7 @@ def drafter_service(target_model_fp32, warm_datastore, free_port):
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory):
-    from sssd.indexer.redis_server import RedisServer
+    from sssd.common.conversations.redis_server import RedisServer
 
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
@@ -70,7 +70,7 @@ def redis_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(drafter_service, free_port, redis_server, tmp_path_factory):
-    from sssd.indexer.producer import PublishConfig
+    from sssd.common.conversations.publisher import PublishConfig
 
     metrics_port = free_port()
     publish = PublishConfig(redis_server.url, str(tmp_path_factory.mktemp("spool")),

@@ -1,25 +1,49 @@
-"""The gRPC plumbing the internal services share: one error <-> status table for both ends.
+"""One error <-> status table for both ends of the internal services (drafter, speculator).
 
-The drafter and the speculator expose the same drafting errors (sssd.common.drafting) and map
-them the same way: a servicer runs the core's call under `call_or_abort`, and a client turns the
-status back with `python_error`, so each end raises what the in-process object would. A service
-adds its own rows (`extra`) for errors only it has.
+The drafter and the speculator expose the same drafting errors (sssd.common.drafting.proposer)
+and map them the same way: a servicer runs the core's call under `call_or_abort`, and a client
+turns the status back with `python_error`, so each end raises what the in-process object would.
+A service adds its own rows (`extra`) for errors only it has.
+
+NOT_FOUND carries the unknown sequence ids in its details, in the form drafter.proto and
+speculator.proto document: the literal prefix `unknown seq_ids ` followed by a JSON array of
+every unknown id of the request, so the caller can re-send exactly those with their full
+context.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import signal
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
-from sssd.common.drafting import CapacityError, SequenceNotFound
-from sssd.common.status import parse_unknown_ids, unknown_ids_details
+from sssd.common.drafting.proposer import CapacityError, SequenceNotFound
 
 T = TypeVar("T")
+
+UNKNOWN_IDS_PREFIX = "unknown seq_ids "
+
+
+def unknown_ids_details(seq_ids: Sequence[str]) -> str:
+    return (
+        f"{UNKNOWN_IDS_PREFIX}{json.dumps(list(seq_ids))}: never started, ended or evicted; "
+        "re-send them with is_start=true and the full context"
+    )
+
+
+def parse_unknown_ids(details: str) -> list[str]:
+    """Inverse of `unknown_ids_details`; [] if `details` does not have that form."""
+    if not details.startswith(UNKNOWN_IDS_PREFIX):
+        return []
+    try:
+        ids, _ = json.JSONDecoder().raw_decode(details, len(UNKNOWN_IDS_PREFIX))
+    except json.JSONDecodeError:
+        return []
+    return [str(seq_id) for seq_id in ids] if isinstance(ids, list) else []
+
 
 # (exception type, status) in match order: subclasses before their bases.
 ErrorTable = Sequence[tuple[type[BaseException], grpc.StatusCode]]
@@ -28,15 +52,6 @@ DRAFTING_ERRORS: ErrorTable = (
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
-
-# A neighbour on the same node or rack: after it restarts, reconnect within a second (gRPC's
-# default backoff grows to two minutes, all of them without speculation). Starting a batch of
-# long prompts may exceed gRPC's default 4 MiB message limit.
-CLIENT_CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1),
-                          ("grpc.max_receive_message_length", -1),
-                          ("grpc.initial_reconnect_backoff_ms", 100),
-                          ("grpc.min_reconnect_backoff_ms", 100),
-                          ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 def call_or_abort(context: grpc.ServicerContext, rpc: str, fn: Callable[[], T], service: str,
@@ -89,30 +104,3 @@ def unary(method: Any, message: Any, service: str, target: str, timeout_s: float
         return method(message, timeout=timeout_s)
     except grpc.RpcError as err:
         raise python_error(err, service, target, timeout_s, extra) from err
-
-
-def serve_until_signal(server: grpc.Server, health_servicer: Any, grace_s: float,
-                       on_stop: Callable[[], None] | None = None) -> None:
-    """Blocks until SIGTERM or SIGINT, then: health NOT_SERVING (for watchers and load
-    balancers), `on_stop` in a thread of its own (a service's drain), in-flight calls given
-    `grace_s` seconds; a second signal cuts the grace period short. Restores the handlers."""
-    is_stopping = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        if is_stopping.is_set():
-            server.stop(0)
-            return
-        is_stopping.set()
-        logging.getLogger(__name__).info("%s: stopping, grace %.1f s",
-                                         signal.Signals(signum).name, grace_s)
-        health_servicer.enter_graceful_shutdown()
-        if on_stop is not None:
-            threading.Thread(target=on_stop, daemon=True).start()
-        server.stop(grace_s)
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        server.wait_for_termination()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sssd.common.model_files import (ModelFiles, cache_dir, file_sha256,
+from sssd.common.model.files import (ModelFiles, cache_dir, file_sha256,
                                      is_complete, resolve_model, save_atomically)
-from sssd.common.tokenizer import load_tokenizer, tokenizer_fingerprint
+from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 if TYPE_CHECKING:
     import torch

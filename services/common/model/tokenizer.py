@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sssd.common.model_files import (ModelFiles, cache_dir, file_sha256, is_complete,
+from sssd.common.model.files import (ModelFiles, cache_dir, file_sha256, is_complete,
                                      resolve_model, save_atomically)
 
 if TYPE_CHECKING:

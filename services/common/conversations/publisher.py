@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sssd.indexer.conversations import STREAM, Conversation
-from sssd.indexer.redis_server import connect
+from sssd.common.conversations.record import STREAM, Conversation
+from sssd.common.conversations.redis_server import connect
 
 logger = logging.getLogger(__name__)
 

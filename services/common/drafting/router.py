@@ -22,9 +22,9 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from sssd.common.batch_split import propose_split, raise_failure
-from sssd.common.draft_tree import DraftTree
-from sssd.common.drafting import CountingProposer, DraftRequest, Proposer, SequenceNotFound
+from sssd.common.drafting.batch_split import propose_split, raise_failure
+from sssd.common.drafting.draft_tree import DraftTree
+from sssd.common.drafting.proposer import CountingProposer, DraftRequest, Proposer, SequenceNotFound
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import sys
 
 import grpc
 
-from sssd.common.tls import TlsFiles, channel
+from sssd.common.rpc.tls import TlsFiles, channel
 
 
 def check(port: int, service: str = "", timeout_s: float = 2.0, server_name: str | None = None,

@@ -18,8 +18,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from sssd.common.draft_tree import DraftTree
-from sssd.common.drafting import DraftRequest, Proposer, SequenceNotFound
+from sssd.common.drafting.draft_tree import DraftTree
+from sssd.common.drafting.proposer import DraftRequest, Proposer, SequenceNotFound
 
 logger = logging.getLogger(__name__)
 

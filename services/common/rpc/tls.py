@@ -27,6 +27,16 @@ from pathlib import Path
 
 import grpc
 
+# A neighbour on the same node or rack: after it restarts, reconnect within a second (gRPC's
+# default backoff grows to two minutes, all of them without speculation). Starting a batch of
+# long prompts may exceed gRPC's default 4 MiB message limit.
+CLIENT_CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1),
+                          ("grpc.max_receive_message_length", -1),
+                          ("grpc.initial_reconnect_backoff_ms", 100),
+                          ("grpc.min_reconnect_backoff_ms", 100),
+                          ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
 ENV = {"cert": "SSSD_TLS_CERT", "key": "SSSD_TLS_KEY", "ca": "SSSD_TLS_CA",
        "server_name": "SSSD_TLS_SERVER_NAME"}
 

@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from sssd.common.draft_tree import DraftTree
+from sssd.common.drafting.draft_tree import DraftTree
 
 
 @dataclass(frozen=True)

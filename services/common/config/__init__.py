@@ -1,0 +1,1 @@
+"""Configuration: command-line flags derived from config dataclasses, logging set-up."""

@@ -1,0 +1,1 @@
+"""Prompt sets and corpora: MT-Bench, ShareGPT, chat-template tokenization."""

@@ -1,0 +1,1 @@
+"""The drafting contract: how every drafting source meets the verifier engine."""

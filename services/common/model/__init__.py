@@ -1,0 +1,1 @@
+"""The model stack: loading models and tokenizers, model files, the slot KV cache."""
