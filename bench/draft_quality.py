@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     from sssd.cli.datastores import pick_datastore
     from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
     from sssd.drafter.config import DraftParams, DrafterConfig
-    from sssd.drafter.drafter import Drafter
+    from sssd.drafter.drafter import LocalDrafter
 
     tokenizer = load_tokenizer(None)
     datastores = args.datastore or [pick_datastore(None, tokenizer)]
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
             config = DrafterConfig(datastore_dir=str(datastore), vocab_size=vocab_size(tokenizer),
                                    tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
                                    model_shard_weight=weight, params=DraftParams(**constants))
-            with Drafter(config) as drafter:
+            with LocalDrafter(config) as drafter:
                 for set_name, pairs in sets.items():
                     for budget in budgets:
                         row = {"set": set_name, "datastore": str(datastore), "config": name,

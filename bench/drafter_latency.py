@@ -160,9 +160,9 @@ def touch_pages(array: np.ndarray) -> int:
     return int(np.asarray(array[::1024]).sum(dtype=np.uint64))
 
 
-RSS_METHOD = ("fresh subprocess: RSS after Drafter.start() and reading one uint32 in every "
+RSS_METHOD = ("fresh subprocess: RSS after LocalDrafter.start() and reading one uint32 in every "
               "4 KiB page of every memory-mapped shard array, minus RSS just before "
-              "Drafter.start(), divided by the datastore's tokens (separators included); "
+              "LocalDrafter.start(), divided by the datastore's tokens (separators included); "
               "file-backed pages count once mapped and touched")
 
 
@@ -171,10 +171,10 @@ def rss_probe(datastore_dir: str) -> dict:
     import psutil
 
     from sssd.drafter.config import DrafterConfig
-    from sssd.drafter.drafter import Drafter
+    from sssd.drafter.drafter import LocalDrafter
 
     process = psutil.Process()
-    drafter = Drafter(DrafterConfig(datastore_dir=datastore_dir, vocab_size=VOCAB_SIZE,
+    drafter = LocalDrafter(DrafterConfig(datastore_dir=datastore_dir, vocab_size=VOCAB_SIZE,
                                     num_threads=1, verify_checksums=False))
     rss_before = process.memory_info().rss
     drafter.start()
@@ -248,7 +248,7 @@ class Workload:
 
 
 class TimedCore:
-    """Wraps `_core.Drafter` to time the C++ batch call apart from the Python layer around it."""
+    """Wraps `_core.BatchDrafter` to time the C++ batch call apart from the Python layer around it."""
 
     def __init__(self, core) -> None:
         self._core = core
@@ -386,7 +386,7 @@ def bench_datastore(args: argparse.Namespace, text: SyntheticText, held_out: lis
                     num_tokens: int) -> None:
     from sssd.drafter.client import RemoteDrafter
     from sssd.drafter.config import DrafterConfig
-    from sssd.drafter.drafter import Drafter
+    from sssd.drafter.drafter import LocalDrafter
     from sssd.drafter.service import create_server
 
     directory, build_info = ensure_datastore(args.cache_dir, text, num_tokens, args.shards,
@@ -406,7 +406,7 @@ def bench_datastore(args: argparse.Namespace, text: SyntheticText, held_out: lis
     common = {"tokens": rss["tokens"], "shards": build_info["shards"], "budget": BUDGET,
               "prefix_len": 4}
     for num_threads in args.threads:
-        drafter = Drafter(config(num_threads))
+        drafter = LocalDrafter(config(num_threads))
         drafter.start()
         for shard in drafter.watcher.current.shards:
             for array in shard.core_view():

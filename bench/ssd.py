@@ -142,7 +142,7 @@ def main() -> None:
     import torch
 
     from sssd.common.model.loader import load_causal_lm
-    from sssd.speculator.client import RemoteSpeculator, SsdProposer
+    from sssd.speculator.client import RemoteSpeculator, SpeculatorProposer
 
     for path in (args.target, args.draft):
         if not Path(path).exists():
@@ -172,13 +172,13 @@ def main() -> None:
                 set_name, batch_size, temperature = case
                 proposer = None
                 if remote is not None:
-                    proposer = SsdProposer(remote, fingerprint=loaded.fingerprint,
+                    proposer = SpeculatorProposer(remote, fingerprint=loaded.fingerprint,
                                            owns_backend=False)
                 elif config == "prompt_lookup":
                     from sssd.drafter.config import DrafterConfig
-                    from sssd.drafter.drafter import Drafter
+                    from sssd.drafter.drafter import LocalDrafter
 
-                    proposer = Drafter(DrafterConfig(vocab_size=loaded.vocab_size,
+                    proposer = LocalDrafter(DrafterConfig(vocab_size=loaded.vocab_size,
                                                      num_threads=1)).start()
                 before = remote.info() if remote is not None else {}
                 result = run(loaded, proposer, prompts[set_name], batch_size, temperature,

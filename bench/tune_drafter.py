@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     from sssd.cli.datastores import pick_datastore
     from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
     from sssd.drafter.config import DraftParams, DrafterConfig
-    from sssd.drafter.drafter import Drafter
+    from sssd.drafter.drafter import LocalDrafter
 
     tokenizer = load_tokenizer(None)
     datastore = args.datastore or pick_datastore(None, tokenizer)
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         config = DrafterConfig(datastore_dir=str(datastore), vocab_size=vocab_size(tokenizer),
                                tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
                                params=params)
-        with Drafter(config) as drafter:
+        with LocalDrafter(config) as drafter:
             per_budget = {b: replay(drafter, pairs, b)["tokens_per_step"] for b in budgets}
         scores[key] = sum(per_budget.values()) / len(per_budget)
         print(json.dumps({"params": values, "tokens_per_step": per_budget,

@@ -11,7 +11,7 @@ Runs in .venv-vllm (scripts/setup_vllm.sh):
 
 The model is the default SmolLM2-135M-Instruct in float32 (`sssd.vllm.export_model`). Modes:
 `none`, `ngram` (prompt lookup, n = 2..4) and `suffix` (ArcticInference's SuffixDecoding) are
-vLLM's; `sssd` and `sssd-self` are vLLM with `sssd.vllm.proposer.SssdProposer` over an
+vLLM's; `sssd` and `sssd-self` are vLLM with `sssd.vllm.proposer.VllmDrafterProposer` over an
 `sssd-drafter` service on 127.0.0.1, holding the ShareGPT datastore `sssd up` builds (default:
 the newest under var/demo-datastore) or the model's own answers (`sssd-self-outputs`, default:
 the largest var/self-outputs/datastore-N); `engine` is this project's engine, once without
@@ -43,7 +43,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "vllm-peers-result: "  # marks the worker's line among vLLM's own output
-PROPOSER = "sssd.vllm.proposer.SssdProposer"
+PROPOSER = "sssd.vllm.proposer.VllmDrafterProposer"
 VLLM_SPECS = {
     "none": None,
     "ngram": lambda k: {"method": "ngram", "num_speculative_tokens": k,

@@ -142,7 +142,7 @@ def engine_factory(target_model_fp32):
 def make_engine(loaded, max_batch_size, datastore_dir=None, proposer="inproc", max_budget=16,
                 attention="sdpa"):
     from sssd.drafter.config import DrafterConfig
-    from sssd.drafter.drafter import Drafter
+    from sssd.drafter.drafter import LocalDrafter
     from sssd.verifier.engine import Engine
     from sssd.verifier.engine.budget_policy import RuleBudget
     from sssd.verifier.engine.model_runner import ModelRunner
@@ -150,7 +150,7 @@ def make_engine(loaded, max_batch_size, datastore_dir=None, proposer="inproc", m
     runner = ModelRunner(loaded.model, max_seqs=max_batch_size, max_len=1024, attention=attention)
     drafter = None
     if proposer == "inproc":
-        drafter = Drafter(DrafterConfig(datastore_dir=datastore_dir, vocab_size=loaded.vocab_size,
+        drafter = LocalDrafter(DrafterConfig(datastore_dir=datastore_dir, vocab_size=loaded.vocab_size,
                                         tokenizer_fingerprint=loaded.fingerprint, num_threads=1))
         drafter.start()
     elif proposer is not None:
@@ -166,6 +166,9 @@ class FakeProposer:
     """A `Proposer` in memory for routing tests: records each call's sequence ids and each
     sequence's context, drafts a chain of `num_drafts` tokens (1, 2, ...) after the last token,
     loses the ids in `lose` (SequenceNotFound) and raises `failure` while it is set."""
+
+    sources = ("sssd",)
+    hindsight_drafts = False
 
     def __init__(self, num_drafts: int = 0) -> None:
         self.num_drafts = num_drafts
@@ -197,13 +200,13 @@ class FakeProposer:
         return [DraftTree(np.array([self.contexts[r.seq_id][-1], *chain], dtype=np.int32),
                           np.arange(-1, self.num_drafts, dtype=np.int32)) for r in requests]
 
-    def append(self, requests):
-        self.propose(requests)
-
     def end(self, seq_ids):
         if self.failure is not None:
             raise self.failure
         return sum(self.contexts.pop(s, None) is not None for s in seq_ids)
+
+    def stats(self):
+        return {}
 
     def close(self):
         self.closed += 1

@@ -82,21 +82,22 @@ def test_drafters_implement_the_proposer_protocol(tmp_path):
     from sssd.common.drafting.proposer import DraftRequest, Proposer
     from sssd.drafter.client import RemoteDrafter
     from sssd.drafter.config import DrafterConfig
-    from sssd.drafter.drafter import Drafter
+    from sssd.drafter.drafter import LocalDrafter
 
-    with Drafter(DrafterConfig(vocab_size=100)) as drafter:
+    with LocalDrafter(DrafterConfig(vocab_size=100)) as drafter:
         assert isinstance(drafter, Proposer)
         drafter.propose([DraftRequest("s", [1, 2, 3, 1, 2], 8, is_start=True)])
-        drafter.append([DraftRequest("s", [3], 8)])  # no tree, state advanced
+        (root,) = drafter.propose([DraftRequest("s", [3], 1)])  # budget 1: appends only
+        assert root.num_nodes == 1
         (tree,) = drafter.propose([DraftRequest("s", [], 8)])
         assert tree.root_token == 3 and tree.token_ids[1] == 1  # "3" was followed by "1"
         assert drafter.end(["s", "unknown"]) == 1
     remote = RemoteDrafter("127.0.0.1:1", timeout_s=0.1)
     assert isinstance(remote, Proposer)
     remote.close()
-    from sssd.speculator.client import RemoteSpeculator, SsdProposer
+    from sssd.speculator.client import RemoteSpeculator, SpeculatorProposer
 
-    ssd = SsdProposer(RemoteSpeculator("127.0.0.1:1", timeout_s=0.1))
+    ssd = SpeculatorProposer(RemoteSpeculator("127.0.0.1:1", timeout_s=0.1))
     assert isinstance(ssd, Proposer)
     ssd.close()
 
@@ -104,9 +105,9 @@ def test_drafters_implement_the_proposer_protocol(tmp_path):
 def test_a_drafter_used_before_start_is_refused():
     from sssd.common.drafting.proposer import DraftRequest
     from sssd.drafter.config import DrafterConfig
-    from sssd.drafter.drafter import Drafter
+    from sssd.drafter.drafter import LocalDrafter
 
-    drafter = Drafter(DrafterConfig(vocab_size=100))
+    drafter = LocalDrafter(DrafterConfig(vocab_size=100))
     with pytest.raises(RuntimeError, match="start"):
         drafter.propose([DraftRequest("s", [1], 4, is_start=True)])
 

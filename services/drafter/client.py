@@ -1,6 +1,6 @@
 """`RemoteDrafter`: the drafting interface (`Proposer`, sssd.common.drafting.proposer) over gRPC.
 
-It behaves like the in-process `Drafter`, exceptions included, so a decode worker can use either:
+It behaves like the in-process `LocalDrafter`, exceptions included, so a decode worker can use either:
 NOT_FOUND becomes `SequenceNotFound` (with the unknown ids), INVALID_ARGUMENT `ValueError`,
 RESOURCE_EXHAUSTED `CapacityError`. Transport failures become `TimeoutError` (deadline) or
 `ConnectionError` (drafter unreachable); callers then decode that step without drafts.
@@ -9,7 +9,6 @@ RESOURCE_EXHAUSTED `CapacityError`. Transport failures become `TimeoutError` (de
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -44,7 +43,8 @@ def _from_proto(tree: drafter_pb2.DraftTree) -> DraftTree:
 class RemoteDrafter:
     """A client of one drafter replica (`sssd-drafter`) at `target` ("host:port")."""
 
-    hindsight_drafts = True  # the service drafts as the in-process Drafter does
+    sources = ("sssd",)
+    hindsight_drafts = True  # the service drafts as the in-process LocalDrafter does
 
     def __init__(self, target: str, timeout_s: float = 1.0,
                  tls_files: tls.TlsFiles | None = None) -> None:
@@ -57,7 +57,7 @@ class RemoteDrafter:
         self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
-        """One draft tree per request, in order; see `Drafter.propose`."""
+        """One draft tree per request, in order; see `LocalDrafter.propose`."""
         message = drafter_pb2.ProposeRequest(sequences=[_to_proto(r) for r in requests])
         response = self._call(self._stub.Propose, message)
         if len(response.drafts) != len(requests):
@@ -66,11 +66,6 @@ class RemoteDrafter:
                 f"for {len(requests)} sequences"
             )
         return [_from_proto(tree) for tree in response.drafts]
-
-    def append(self, requests: Sequence[DraftRequest]) -> None:
-        """Appends the requests' tokens without drafting: a Propose at budget 1, whose trees
-        are the roots alone (drafter.proto), so no extra RPC exists for it."""
-        self.propose([replace(request, budget=1) for request in requests])
 
     def end(self, seq_ids: Sequence[str]) -> int:
         """Frees the state of these sequences; returns how many the drafter held."""
@@ -81,6 +76,9 @@ class RemoteDrafter:
         """The GetInfo fields (drafter.proto, DrafterInfo) as a dict."""
         info = self._call(self._stub.GetInfo, drafter_pb2.GetInfoRequest())
         return {field.name: getattr(info, field.name) for field in info.DESCRIPTOR.fields}
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {}
 
     def close(self) -> None:
         self._channel.close()

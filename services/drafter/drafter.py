@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,20 +26,21 @@ class _Sequence:
     num_tokens: int
 
 
-class Drafter:
-    """The in-process SSSD `Proposer` (sssd.common.drafting.proposer). Call `start()` first (or use it
-    as a context manager): it loads the datastore and watches its manifest.
+class LocalDrafter:
+    """The in-process SSSD `Proposer` (sssd.common.drafting.proposer). Call `start()` first (or
+    use it as a context manager): it loads the datastore and watches its manifest.
 
-        with Drafter(DrafterConfig(datastore_dir="var/ds", vocab_size=49152)) as drafter:
+        with LocalDrafter(DrafterConfig(datastore_dir="var/ds", vocab_size=49152)) as drafter:
             trees = drafter.propose([DraftRequest("seq-1", prompt_ids, 8, is_start=True)])
     """
 
+    sources = ("sssd",)
     hindsight_drafts = True  # trees are best-first and cheap: see sssd.common.drafting.proposer
 
     def __init__(self, config: DrafterConfig) -> None:
         self.config = config
         self._is_started = False
-        self._core = _core.Drafter(config.params.to_core(), config.resolved_num_threads)
+        self._core = _core.BatchDrafter(config.params.to_core(), config.resolved_num_threads)
         self._sequences: dict[str, _Sequence] = {}
         self._lock = threading.Lock()
         self.watcher: DatastoreWatcher | None = None
@@ -54,7 +55,7 @@ class Drafter:
                 model_shard_weight=config.model_shard_weight,
             )
 
-    def start(self) -> "Drafter":
+    def start(self) -> "LocalDrafter":
         """Loads the datastore and starts watching its manifest."""
         if self.watcher is not None:
             self.watcher.start()
@@ -65,7 +66,7 @@ class Drafter:
         if self.watcher is not None:
             self.watcher.close()
 
-    def __enter__(self) -> "Drafter":
+    def __enter__(self) -> "LocalDrafter":
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
@@ -84,7 +85,7 @@ class Drafter:
         tree would silently come from the input trie alone.
         """
         if not self._is_started:
-            raise RuntimeError("Drafter.start() was not called: the datastore is not loaded "
+            raise RuntimeError("LocalDrafter.start() was not called: the datastore is not loaded "
                                "yet (call start(), or use the drafter as a context manager)")
         new_tokens, cu_num_new_tokens, budgets = self._validate(requests)
         offsets = cu_num_new_tokens.tolist()
@@ -133,10 +134,6 @@ class Drafter:
             DraftTree(token_ids[begin:end], parents[begin:end], probs[begin:end])
             for begin, end in zip(cu_num_nodes[:-1].tolist(), cu_num_nodes[1:].tolist())
         ]
-
-    def append(self, requests: Sequence[DraftRequest]) -> None:
-        """Appends the requests' tokens without drafting (a budget-1 step: root-only trees)."""
-        self.propose([replace(request, budget=1) for request in requests])
 
     def _validate(
         self, requests: Sequence[DraftRequest]
@@ -196,6 +193,9 @@ class Drafter:
         """Frees the state of finished sequences; unknown ids are ignored. Returns how many."""
         with self._lock:
             return sum(self._sequences.pop(seq_id, None) is not None for seq_id in seq_ids)
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {}
 
     def info(self) -> dict:
         current = self.watcher.current if self.watcher is not None else None

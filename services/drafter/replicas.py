@@ -23,7 +23,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -42,7 +41,8 @@ logger = logging.getLogger(__name__)
 class ReplicatedDrafter:
     """A `Proposer` over drafter replicas with per-sequence stickiness; see the module doc."""
 
-    hindsight_drafts = True  # every replica drafts as the in-process Drafter does
+    sources = ("sssd",)
+    hindsight_drafts = True  # every replica drafts as the in-process LocalDrafter does
 
     def __init__(self, resolver: Resolver, timeout_s: float = 1.0,
                  resolve_interval_s: float = 5.0, down_s: float = 5.0,
@@ -95,9 +95,6 @@ class ReplicatedDrafter:
             self._end_on(replica, ids)
         return split.trees  # type: ignore[return-value]
 
-    def append(self, requests: Sequence[DraftRequest]) -> None:
-        self.propose([replace(request, budget=1) for request in requests])
-
     def end(self, seq_ids: Sequence[str]) -> int:
         by_replica: dict[str, list[str]] = {}
         for seq_id in seq_ids:
@@ -105,6 +102,9 @@ class ReplicatedDrafter:
             if owner is not None:
                 by_replica.setdefault(owner, []).append(seq_id)
         return sum(self._end_on(replica, ids) for replica, ids in by_replica.items())
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -1,7 +1,7 @@
-"""The drafter's gRPC service (proto/sssd/v1/drafter.proto): a thin shell around `Drafter`.
+"""The drafter's gRPC service (proto/sssd/v1/drafter.proto): a thin shell around `LocalDrafter`.
 
 The servicer only translates between protobuf messages and the Python drafter API, and Python
-exceptions into gRPC status codes; all validation and all state live in `Drafter`.
+exceptions into gRPC status codes; all validation and all state live in `LocalDrafter`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from sssd.common.rpc.status import call_or_abort
 from sssd.common.rpc.server import serve_until_signal
 from sssd.common.rpc.targets import address
 from sssd.drafter.config import DrafterConfig
-from sssd.drafter.drafter import Drafter
+from sssd.drafter.drafter import LocalDrafter
 from sssd.v1 import drafter_pb2, drafter_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -49,9 +49,9 @@ def _tree_to_proto(tree: DraftTree) -> drafter_pb2.DraftTree:
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    """Wire <-> `Drafter`. Every failure leaves the drafter's state unchanged (its contract)."""
+    """Wire <-> `LocalDrafter`. Every failure leaves the drafter's state unchanged (its contract)."""
 
-    def __init__(self, drafter: Drafter) -> None:
+    def __init__(self, drafter: LocalDrafter) -> None:
         self._drafter = drafter
 
     def Propose(
@@ -100,11 +100,11 @@ def _max_request_bytes(config: DrafterConfig) -> int:
 
 
 def _start(
-    config: DrafterConfig, drafter: Drafter | None
-) -> tuple[grpc.Server, int, Drafter, health.HealthServicer]:
+    config: DrafterConfig, drafter: LocalDrafter | None
+) -> tuple[grpc.Server, int, LocalDrafter, health.HealthServicer]:
     owns_drafter = drafter is None
     if drafter is None:
-        drafter = Drafter(config)
+        drafter = LocalDrafter(config)
         drafter.start()
     try:
         server = grpc.server(
@@ -129,8 +129,8 @@ def _start(
 
 
 def create_server(
-    config: DrafterConfig, drafter: Drafter | None = None
-) -> tuple[grpc.Server, int, Drafter]:
+    config: DrafterConfig, drafter: LocalDrafter | None = None
+) -> tuple[grpc.Server, int, LocalDrafter]:
     """Starts a drafter server on config.host:config.port; returns it, its port and its drafter.
 
     With port 0 the OS picks a free port (tests). Health checking ("sssd.v1.Drafter" and "")

@@ -16,12 +16,28 @@ per tier it climbs: about log_fanout(shard_tokens / base) tiers over its life, i
 how big the datastore is. No merge produces a shard above `shard_tokens`: shards that cannot be
 merged without passing it are final (sealed).
 
-This module only plans; the indexer (indexer.py) executes the plan and publishes the result.
+`plan_merge` plans; a `Compactor` carries the plan out on the live datastore (builder.py's
+`ShardStore`) and publishes the result through the same atomic manifest as a build. A merge
+changes which shards hold the documents, never which documents are held nor their order.
 """
 
 from __future__ import annotations
 
+import logging
+import shutil
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from sssd.datastore.manifest import Manifest, write_manifest
+from sssd.datastore.shard import read_meta, write_shard
+from sssd.indexer.builder import ShardStore
+
+logger = logging.getLogger(__name__)
+
+MERGE_POINTS = ("during_merge", "after_merge_build", "after_merge_manifest")
 
 
 def tier(num_tokens: int, base_tokens: int, fanout: int) -> int:
@@ -66,11 +82,79 @@ def plan_merge(sizes: Sequence[int], base_tokens: int, fanout: int,
     return best[1], best[1] + fanout
 
 
-def keep_newest(sizes: Sequence[int], max_tokens: int) -> int:
-    """How many of the oldest shards leave so that the rest hold at most `max_tokens` tokens
-    (the newest shard always stays)."""
-    total, drop = sum(sizes), 0
-    while drop < len(sizes) - 1 and total > max_tokens:
-        total -= sizes[drop]
-        drop += 1
-    return drop
+@dataclass
+class MergeStats:
+    merges: int = 0
+    tokens_merged: int = 0  # tokens re-indexed by merges (the compaction's write amplification)
+    last_merge_s: float = 0.0
+
+
+class Compactor:
+    """Merges the live datastore's shards as `plan_merge` says, one run at a time."""
+
+    def __init__(self, store: ShardStore, base_tokens: int, fanout: int) -> None:
+        self.store = store
+        self.base_tokens = base_tokens
+        self.fanout = fanout
+        self.stats = MergeStats()
+
+    def merge_once(self) -> Manifest | None:
+        """Merges one run of same-tier shards if one is due and publishes the manifest with
+        the merged shard in their place; None when nothing is due. The heavy part (the suffix
+        array) runs without the lock, so builds go on meanwhile."""
+        store = self.store
+        with store.lock:
+            manifest = store.manifest
+            run = plan_merge([store.size(name) for name in manifest.shards], self.base_tokens,
+                             self.fanout, store.shard_tokens)
+            if run is None:
+                return None
+            sources = list(manifest.shards[run[0]:run[1]])
+            name = store.allocate(manifest)
+        start = time.perf_counter()
+        metas = [read_meta(store.directory / source) for source in sources]
+        merged = np.concatenate([np.fromfile(store.directory / source / "tokens.u32",
+                                             dtype="<u4") for source in sources])
+        store.fault("during_merge", store.directory / name, merged)
+        # A merge keeps the weight only if every source is the model's text (a run that
+        # includes a corpus shard is weighted like the corpus).
+        origin = "model" if all(m.origin == "model" for m in metas) else "corpus"
+        write_shard(store.directory / name, merged, store.vocab_size,
+                    store.tokenizer_fingerprint, source_first=metas[0].source_first,
+                    source_last=metas[-1].source_last, origin=origin)
+        store.fault("after_merge_build", store.directory / name, merged)
+        with store.lock:
+            current = store.manifest  # builds may have added shards after the sources
+            names = list(current.shards)
+            at = _find_run(names, sources)
+            if at is None:  # retention dropped some of them meanwhile: the merge is moot
+                shutil.rmtree(store.directory / name, ignore_errors=True)
+                return None
+            names[at:at + len(sources)] = [name]
+            store.record_size(name, int(merged.shape[0]))
+            new_manifest = current.next(tuple(names), current.last_entry_id)
+            write_manifest(store.directory, new_manifest)
+            store.fault("after_merge_manifest", store.directory, merged)
+            store.retire(sources)
+        self.stats.merges += 1
+        self.stats.tokens_merged += int(merged.shape[0])
+        self.stats.last_merge_s = time.perf_counter() - start
+        logger.info("manifest v%d: merged %d shards (%d tokens) into %s in %.2f s",
+                    new_manifest.version, len(sources), merged.shape[0], name,
+                    self.stats.last_merge_s)
+        return new_manifest
+
+    def merge_all(self) -> int:
+        """Merges until nothing is due (tests, benchmarks); returns the number of merges."""
+        count = 0
+        while self.merge_once() is not None:
+            count += 1
+        return count
+
+
+def _find_run(names: list[str], run: list[str]) -> int | None:
+    """Where `run` sits, contiguous, in `names`; None if it does not."""
+    if run[0] not in names:
+        return None
+    at = names.index(run[0])
+    return at if names[at:at + len(run)] == run else None

@@ -1,4 +1,4 @@
-"""The speculator as a drafting source of the verifier: `SsdProposer` (a `Proposer`) over a
+"""The speculator as a drafting source of the verifier: `SpeculatorProposer` (a `Proposer`) over a
 round backend, the gRPC client `RemoteSpeculator` or an in-process `Speculator`.
 
 The engine hands a proposer the tokens appended since its previous call. After a round that sent
@@ -25,7 +25,7 @@ from sssd.common.drafting.proposer import DraftRequest, Proposer, SequenceNotFou
 from sssd.common.rpc import tls
 from sssd.common.rpc.tls import CLIENT_CHANNEL_OPTIONS
 from sssd.common.rpc.status import unary
-from sssd.speculator.speculator import FingerprintMismatch, RoundInput, RoundOutput
+from sssd.speculator.protocol import FingerprintMismatch, RoundInput, RoundOutput
 from sssd.v1 import speculator_pb2, speculator_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class RoundBackend(Protocol):
 
 class RemoteSpeculator:
     """A client of one speculator (`sssd-speculator`) at `target` ("host:port"). Errors map as
-    in `RemoteDrafter` (sssd.common.rpc); FAILED_PRECONDITION becomes `FingerprintMismatch`."""
+    in `RemoteDrafter` (sssd.common.rpc.status); FAILED_PRECONDITION becomes `FingerprintMismatch`."""
 
     def __init__(self, target: str, timeout_s: float = 1.0,
                  tls_files: tls.TlsFiles | None = None) -> None:
@@ -99,8 +99,13 @@ class SsdCounters:
     fallback_errors: int = 0
 
 
-class SsdProposer:
+class SpeculatorProposer:
     """SSD drafting for the engine: one `round` per step, chains of drafts as trees."""
+
+    sources = ("ssd",)
+    # Its drafts are a chain drafted for the budget asked; a longer chain is not what a larger
+    # budget would have been verified with, so it is not scored in hindsight.
+    hindsight_drafts = False
 
     def __init__(self, backend: RoundBackend, fallback: Proposer | None = None,
                  fingerprint: str | None = None, owns_backend: bool = True) -> None:
@@ -146,14 +151,10 @@ class SsdProposer:
                 trees[row] = tree
         return trees  # type: ignore[return-value]
 
-    def append(self, requests: Sequence[DraftRequest]) -> None:
-        self.propose([DraftRequest(r.seq_id, r.token_ids, 1, r.is_start, r.temperature, r.seed)
-                      for r in requests])
-
-    def counts(self) -> dict[str, int]:
+    def stats(self) -> dict[str, dict[str, float]]:
         """Rounds, speculation-cache hits, just-in-time misses and SSSD fallbacks, as seen by
         this client (the speculator's own endpoint has the service-wide figures)."""
-        return asdict(self.counters)
+        return {"ssd": {name: float(value) for name, value in asdict(self.counters).items()}}
 
     def end(self, seq_ids: Sequence[str]) -> int:
         for seq_id in seq_ids:

@@ -22,7 +22,8 @@ from sssd.common.rpc.status import call_or_abort
 from sssd.common.rpc.server import serve_until_signal
 from sssd.common.rpc.targets import address
 from sssd.speculator.config import SpeculatorConfig
-from sssd.speculator.speculator import FingerprintMismatch, RoundInput, Speculator
+from sssd.speculator.protocol import FingerprintMismatch, RoundInput
+from sssd.speculator.speculator import Speculator
 from sssd.v1 import speculator_pb2, speculator_pb2_grpc
 
 logger = logging.getLogger(__name__)

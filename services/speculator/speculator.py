@@ -35,37 +35,13 @@ import torch
 
 from sssd.common.drafting.proposer import CapacityError, SequenceNotFound
 from sssd.speculator.fanout import FanoutEstimator, fanout
+from sssd.speculator.protocol import FingerprintMismatch, RoundInput, RoundOutput
 from sssd.speculator.runner import DraftRunner, Node, chain_nodes
 from sssd.speculator.sampling import saguaro_probs
 
 logger = logging.getLogger(__name__)
 
 MAX_TEMPERATURE = 100.0
-
-
-class FingerprintMismatch(ValueError):
-    """The caller's tokenizer is not the draft model's."""
-
-
-@dataclass(frozen=True)
-class RoundInput:
-    """One sequence of a round (SequenceRound in speculator.proto)."""
-
-    seq_id: str
-    token_ids: Sequence[int]
-    num_accepted: int = 0
-    budget: int = 1  # draft-tree nodes, root included: budget - 1 drafts at most (0, 1: none)
-    is_start: bool = False
-    temperature: float = 0.0
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class RoundOutput:
-    hit: bool
-    fallback: bool
-    token_ids: list[int]  # [num_drafts]
-    probs: list[float]  # [num_drafts]
 
 
 @dataclass

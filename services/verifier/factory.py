@@ -39,7 +39,8 @@ def make_budget_policy(config: EngineConfig, runner: ModelRunner,
 
     The measured policy's profile is reused from `profile_path` when it was measured with the
     same model, dtype and torch threads and covers the batch sizes; its prior is the acceptance
-    saved beside it by an earlier run, else the built-in one."""
+    saved beside it by an earlier server (serving.observers.AcceptanceSaver), else the built-in
+    one."""
     if not speculates:
         return FixedBudget(1)
     if config.budget_policy == "rule":
@@ -47,7 +48,7 @@ def make_budget_policy(config: EngineConfig, runner: ModelRunner,
     import torch
 
     setting = {"model": model_name, "dtype": config.dtype, "torch_threads": torch.get_num_threads()}
-    prior, stats_path = DEFAULT_ACCEPTANCE_PRIOR, None
+    prior = DEFAULT_ACCEPTANCE_PRIOR
     if config.profile_path:
         stats_path = acceptance_path(config.profile_path, config.mode)
         saved = load_acceptance(stats_path) if config.reuse_acceptance else None
@@ -59,7 +60,7 @@ def make_budget_policy(config: EngineConfig, runner: ModelRunner,
         if profile is not None and \
                 set(profiled_batches(config.max_batch_size)) <= set(profile.batches):
             logger.info("loaded forward profile %s", config.profile_path)
-            return MeasuredBudget(profile, config.max_budget, prior=prior, stats_path=stats_path)
+            return MeasuredBudget(profile, config.max_budget, prior=prior)
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load > 0.5 * cores:
         logger.warning("profiling the forward pass on a busy machine (load %.1f on %d cores): "
@@ -70,7 +71,7 @@ def make_budget_policy(config: EngineConfig, runner: ModelRunner,
     if config.profile_path:
         Path(config.profile_path).parent.mkdir(parents=True, exist_ok=True)
         profile.save(config.profile_path, setting)
-    return MeasuredBudget(profile, config.max_budget, prior=prior, stats_path=stats_path)
+    return MeasuredBudget(profile, config.max_budget, prior=prior)
 
 
 def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,

@@ -4,10 +4,10 @@ One table instead of if/elif chains on mode strings. Implementations are importe
 so an engine that drafts through a remote service never loads the C++ core, and one that does
 not speculate loads neither grpc nor the core. A new source registers here.
 
-A mode's sources are named by the API's speculation modes ("sssd", "ssd") and put behind a
-`SourceRouter`, so a request may ask for any source its server has, and `auto` picks the
-cheapest by measured cost where a server has several (mode ssd: the speculator, and the SSSD
-drafter that is also its fallback).
+Each proposer names its sources by the API's speculation modes ("sssd", "ssd"), so a request
+may ask for any source its server has. Only mode ssd has two (the speculator, and the SSSD
+drafter that is also its fallback): they go behind a `SourceRouter`, and `auto` picks the
+cheapest by measured cost.
 """
 
 from __future__ import annotations
@@ -38,18 +38,12 @@ def _sssd_drafter(use_datastore: bool) -> ProposerFactory:
 
             return connect(config.drafter_target, timeout_s=config.drafter_timeout_s)
         from sssd.drafter.config import DrafterConfig
-        from sssd.drafter.drafter import Drafter
+        from sssd.drafter.drafter import LocalDrafter
 
         datastore_dir = config.datastore_dir if use_datastore else None
-        return Drafter(DrafterConfig(datastore_dir=datastore_dir, vocab_size=loaded.vocab_size,
-                                     tokenizer_fingerprint=loaded.fingerprint)).start()
-
-    return build
-
-
-def _routed(name: str, factory: ProposerFactory) -> ProposerFactory:
-    def build(config: EngineConfig, loaded: LoadedModel) -> Proposer:
-        return SourceRouter({name: factory(config, loaded)})
+        return LocalDrafter(DrafterConfig(datastore_dir=datastore_dir,
+                                          vocab_size=loaded.vocab_size,
+                                          tokenizer_fingerprint=loaded.fingerprint)).start()
 
     return build
 
@@ -59,7 +53,8 @@ def _ssd_speculator(config: EngineConfig, loaded: LoadedModel) -> Proposer:
     drafted by SSSD (the drafter service or the in-process core, as for mode sssd). The
     tokenizer fingerprint is checked at connect: a draft model with another tokenizer is
     refused before any request is served."""
-    from sssd.speculator.client import RemoteSpeculator, SsdProposer
+    # Imported on use: only mode ssd needs the speculator's client.
+    from sssd.speculator.client import RemoteSpeculator, SpeculatorProposer
 
     assert config.speculator_target is not None  # EngineConfig checks it
     remote = RemoteSpeculator(config.speculator_target, timeout_s=config.speculator_timeout_s)
@@ -76,14 +71,14 @@ def _ssd_speculator(config: EngineConfig, loaded: LoadedModel) -> Proposer:
     # One SSSD drafter serves the sequences routed to "sssd" and the speculator's fallback
     # (their sequence ids never collide: an id lives in one source); closing it twice is fine.
     drafter = _sssd_drafter(use_datastore=True)(config, loaded)
-    return SourceRouter({"ssd": SsdProposer(remote, drafter, fingerprint=loaded.fingerprint),
+    return SourceRouter({"ssd": SpeculatorProposer(remote, drafter, fingerprint=loaded.fingerprint),
                          "sssd": drafter})
 
 
 PROPOSERS: dict[str, ProposerFactory] = {
     "ar": _no_proposer,
-    "prompt_lookup": _routed("sssd", _sssd_drafter(use_datastore=False)),
-    "sssd": _routed("sssd", _sssd_drafter(use_datastore=True)),
+    "prompt_lookup": _sssd_drafter(use_datastore=False),
+    "sssd": _sssd_drafter(use_datastore=True),
     "ssd": _ssd_speculator,
 }
 

@@ -1,2 +1,2 @@
-"""vLLM as the verifier: `sssd.vllm.proposer.SssdProposer` drafts for vLLM's `custom_class`
+"""vLLM as the verifier: `sssd.vllm.proposer.VllmDrafterProposer` drafts for vLLM's `custom_class`
 speculative method through the SSSD drafter service."""

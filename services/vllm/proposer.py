@@ -2,7 +2,7 @@
 speculative method.
 
     LLM(model=..., speculative_config={"method": "custom_class",
-                                       "model": "sssd.vllm.proposer.SssdProposer",
+                                       "model": "sssd.vllm.proposer.VllmDrafterProposer",
                                        "num_speculative_tokens": 8})
 
 and the drafter's address in vLLM's `additional_config={"sssd": {"drafter": "host:port"}}`
@@ -146,7 +146,7 @@ def best_path(tree: DraftTree, max_len: int, min_score: float = 0.0) -> list[int
     return path[::-1]
 
 
-class SssdProposer:
+class VllmDrafterProposer:
     """vLLM's custom proposer over the SSSD drafter service; see the module docstring."""
 
     def __init__(self, vllm_config: Any, drafter: Proposer | None = None,

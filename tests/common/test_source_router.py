@@ -43,14 +43,19 @@ def test_a_sequence_keeps_its_source_across_restarts(fake_proposer):
 
 
 def test_unknown_and_unavailable_sources_are_refused_without_calls(fake_proposer):
-    a = fake_proposer()
-    router = SourceRouter({"sssd": a})
+    a, b = fake_proposer(), fake_proposer()
+    router = SourceRouter({"sssd": a, "ssd": b})
     with pytest.raises(SequenceNotFound) as missing:
         router.propose([start("x"), step("ghost", [1])])
-    assert missing.value.seq_ids == ["ghost"] and a.calls == []
-    with pytest.raises(ValueError, match="'ssd' is not available"):
-        router.propose([start("x"), start("y", source="ssd")])
-    assert a.calls == [] and router.source_of("x") is None
+    assert missing.value.seq_ids == ["ghost"] and a.calls == [] and b.calls == []
+    with pytest.raises(ValueError, match="'other' is not available"):
+        router.propose([start("x"), start("y", source="other")])
+    assert a.calls == [] and b.calls == [] and router.source_of("x") is None
+
+
+def test_a_router_needs_two_sources(fake_proposer):
+    with pytest.raises(ValueError, match="two or more"):
+        SourceRouter({"sssd": fake_proposer()})
 
 
 def test_a_source_losing_sequences_makes_every_source_of_the_call_restart_them(fake_proposer):
@@ -103,9 +108,9 @@ def test_auto_measures_every_source_then_picks_the_faster_and_keeps_exploring():
 
 
 def test_router_measures_tokens_from_continuations_of_drafted_steps(fake_proposer):
-    a = fake_proposer()
-    router = SourceRouter({"sssd": a})
-    router.propose([start("x", budget=4), start("y", budget=1)])
+    a, b = fake_proposer(), fake_proposer()
+    router = SourceRouter({"sssd": a, "ssd": b})
+    router.propose([start("x", budget=4, source="sssd"), start("y", budget=1, source="sssd")])
     router.propose([step("x", [1, 2, 3]), step("y", [9], budget=1)])
     cost = router.chooser.costs["sssd"]
     # x's 3 new tokens follow a drafted step; y's follow a step without drafts: not counted.
@@ -123,4 +128,4 @@ def test_chooser_rejects_bad_settings(fake_proposer):
     with pytest.raises(ValueError):
         CostChooser(["a"], explore_every=1)
     with pytest.raises(ValueError, match="chooser"):
-        SourceRouter({"a": fake_proposer()}, CostChooser(["b"]))
+        SourceRouter({"a": fake_proposer(), "b": fake_proposer()}, CostChooser(["b", "c"]))

@@ -25,7 +25,7 @@ def make_trie(sequence: list[int], branch_len: int = 8) -> _core.InputTrie:
 
 def draft(datastore, trie, budget: int, params: reference.DraftParams, core_params):
     """propose_one as plain lists, checked against check_draft_tree."""
-    token_ids, parents, probs = _core.Drafter(core_params(params), 1).propose_one(
+    token_ids, parents, probs = _core.BatchDrafter(core_params(params), 1).propose_one(
         datastore, trie, budget)
     assert _core.check_draft_tree(token_ids, parents, probs, budget, int(token_ids[0])) == ""
     return token_ids.tolist(), parents.tolist(), probs.tolist()
@@ -294,7 +294,7 @@ def test_invalid_params_are_rejected_by_both(fields):
         setattr(core, name, value)
     assert core.validate() != ""
     with pytest.raises(ValueError):
-        _core.Drafter(core, 1)
+        _core.BatchDrafter(core, 1)
     with pytest.raises(ValueError):
         reference.DraftParams(**fields)
 

@@ -216,7 +216,7 @@ def test_weighted_collect_equals_reference(data, core_shard, core_params, core_t
     assert core_tree(nodes) == reference.collect(sequence, ref, params, weights).canonical()
     trie = _core.InputTrie(params.branch_len)
     trie.append(np.asarray(sequence, dtype=np.int32))
-    drafter = _core.Drafter(core_params(params), 1)
+    drafter = _core.BatchDrafter(core_params(params), 1)
     assert_same_draft(drafter.propose_one(core, trie, 12),
                       reference.propose(sequence, ref, 12, params, weights), 12, sequence[-1])
 
@@ -247,7 +247,7 @@ def test_propose_one_equals_reference(data, core_shard, core_params):
 
     trie = _core.InputTrie(params.branch_len)
     trie.append(np.asarray(sequence, dtype=np.int32))
-    drafter = _core.Drafter(core_params(params), 1)
+    drafter = _core.BatchDrafter(core_params(params), 1)
     assert_same_draft(drafter.propose_one(core, trie, budget),
                       reference.propose(sequence, ref, budget, params), budget, sequence[-1])
 
@@ -277,7 +277,7 @@ def test_batched_propose_equals_reference(data, core_shard, core_params):
     core, ref = build_both(vocab_size, shard_documents, params.max_continuations, core_shard)
 
     for num_threads in (1, 2):
-        drafter = _core.Drafter(core_params(params), num_threads)
+        drafter = _core.BatchDrafter(core_params(params), num_threads)
         assert drafter.num_threads == num_threads
         tries = [_core.InputTrie(params.branch_len) for _ in rows]
         sequences_so_far = [list(initial) for initial, _, _ in rows]

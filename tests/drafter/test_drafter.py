@@ -12,7 +12,7 @@ from sssd.datastore.build import build_datastore
 from sssd.datastore.manifest import read_manifest, write_manifest
 from sssd.datastore.shard import make_stream, write_shard
 from sssd.drafter.config import DrafterConfig, DraftParams
-from sssd.drafter.drafter import Drafter
+from sssd.drafter.drafter import LocalDrafter
 
 VOCAB = 100
 FINGERPRINT = "test-tokenizer"
@@ -34,7 +34,7 @@ def drafter(datastore_dir):
     config = DrafterConfig(datastore_dir=str(datastore_dir), vocab_size=VOCAB,
                            tokenizer_fingerprint=FINGERPRINT, max_batch_size=4, max_budget=32,
                            max_sequences=3, max_tokens_per_sequence=500, poll_interval_s=0.05)
-    drafter = Drafter(config)
+    drafter = LocalDrafter(config)
     drafter.start()
     yield drafter
     drafter.close()
@@ -187,7 +187,7 @@ def test_model_text_shards_are_weighted(tmp_path):
     for weight, first in ((5, 9), (1, 7)):
         config = DrafterConfig(datastore_dir=str(tmp_path / "ds"), vocab_size=32,
                                model_shard_weight=weight)
-        with Drafter(config) as drafter:
+        with LocalDrafter(config) as drafter:
             quotas = drafter.watcher.current.core.quotas
             (tree,) = drafter.propose([DraftRequest(f"w{weight}", [1, 3, 4], 2, is_start=True)])
         assert tree.token_ids.tolist() == [4, first], weight
@@ -197,7 +197,7 @@ def test_model_text_shards_are_weighted(tmp_path):
     build_datastore(tmp_path / "own", [[3, 4, 9, 9]] * 20, 32, "fp", origin="model")
     build_datastore(tmp_path / "own", [[3, 4, 7, 7]] * 10, 32, "fp", append=True,
                     origin="model")
-    with Drafter(DrafterConfig(datastore_dir=str(tmp_path / "own"), vocab_size=32)) as drafter:
+    with LocalDrafter(DrafterConfig(datastore_dir=str(tmp_path / "own"), vocab_size=32)) as drafter:
         datastore = drafter.watcher.current.core
         assert datastore.quotas == [67, 33]
         nodes = datastore.collect(np.asarray([1, 3, 4], dtype=np.int32),

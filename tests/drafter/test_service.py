@@ -22,7 +22,7 @@ from sssd.common.drafting.proposer import CapacityError, DraftRequest, SequenceN
 from sssd.datastore.build import build_datastore
 from sssd.drafter.client import RemoteDrafter
 from sssd.drafter.config import DrafterConfig
-from sssd.drafter.drafter import Drafter
+from sssd.drafter.drafter import LocalDrafter
 from sssd.drafter.service import create_server
 from sssd.common.rpc.status import parse_unknown_ids
 from sssd.v1 import drafter_pb2, drafter_pb2_grpc
@@ -61,7 +61,7 @@ def config(tmp_path_factory) -> DrafterConfig:
 
 
 @pytest.fixture(scope="module")
-def server(config) -> Iterator[tuple[int, Drafter]]:
+def server(config) -> Iterator[tuple[int, LocalDrafter]]:
     server, port, drafter = create_server(config)
     yield port, drafter
     server.stop(0).wait()
@@ -69,9 +69,9 @@ def server(config) -> Iterator[tuple[int, Drafter]]:
 
 
 @pytest.fixture(scope="module")
-def local(config) -> Iterator[Drafter]:
+def local(config) -> Iterator[LocalDrafter]:
     """An in-process drafter on the same datastore: what the service must reproduce."""
-    drafter = Drafter(config)
+    drafter = LocalDrafter(config)
     drafter.start()
     yield drafter
     drafter.close()

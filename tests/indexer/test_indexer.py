@@ -15,11 +15,14 @@ from sssd.common.drafting.proposer import DraftRequest
 from sssd.datastore.build import read_documents
 from sssd.datastore.manifest import read_manifest
 from sssd.drafter.config import DrafterConfig
-from sssd.drafter.drafter import Drafter
+from sssd.drafter.drafter import LocalDrafter
 from sssd.common.conversations.record import Conversation
 from sssd.datastore.shard import read_meta
-from sssd.indexer.compaction import keep_newest, plan_merge, tier
-from sssd.indexer.indexer import Indexer, IndexerConfig, SimulatedCrash
+from sssd.indexer.builder import keep_newest
+from sssd.indexer.compaction import plan_merge, tier
+from sssd.indexer.builder import BUILD_POINTS
+from sssd.indexer.compaction import MERGE_POINTS
+from sssd.indexer.indexer import Indexer, IndexerConfig
 from sssd.common.conversations.publisher import ConversationPublisher
 from sssd.common.conversations.redis_server import RedisServer
 
@@ -236,9 +239,29 @@ def test_the_stream_is_trimmed_only_up_to_what_is_indexed(tmp_path, redis_server
     assert client.xlen(config.stream) == 0
 
 
-@pytest.mark.parametrize("crash_at", ["during_build", "after_build", "after_manifest"])
+class SimulatedCrash(RuntimeError):
+    """The indexer process 'dies' here."""
+
+
+def crash_at(point):
+    """A fault hook that crashes at `point`; at a "during_*" point half of the shard's tokens
+    are written under its temporary name first, as a process killed mid-write leaves them."""
+
+    def fault(at, shard, tokens):
+        if at != point:
+            return
+        if at.startswith("during_"):
+            partial = shard.parent / f".{shard.name}.crash.tmp"
+            partial.mkdir()
+            tokens[: tokens.shape[0] // 2].tofile(partial / "tokens.u32")
+        raise SimulatedCrash(point)
+
+    return fault
+
+
+@pytest.mark.parametrize("point", BUILD_POINTS)
 def test_crash_at_any_point_loses_nothing_and_indexes_nothing_twice(tmp_path, redis_server,
-                                                                    names, crash_at):
+                                                                    names, point):
     config = make_config(tmp_path, redis_server, names, build_tokens=10_000)
     client = redis.Redis.from_url(redis_server.url)
     first, second = conversations(6, seed=1), conversations(5, seed=2)
@@ -247,29 +270,28 @@ def test_crash_at_any_point_loses_nothing_and_indexes_nothing_twice(tmp_path, re
     healthy.poll(block_ms=20)
     healthy.build()  # the first batch is indexed and acknowledged
     add(client, config.stream, second)
-    crashing = Indexer(config, crash_at=crash_at)
+    crashing = Indexer(config, fault=crash_at(point))
     crashing.poll(block_ms=20)
     with pytest.raises(SimulatedCrash):
         crashing.build()
     assert pending(client, config) == 5  # nothing of the second batch was acknowledged
     restarted = Indexer(config)  # same consumer name: takes over its pending entries
     restarted.recover()
-    if restarted._buffer.ids:
+    if restarted._buffer.documents:
         restarted.build()
     expected = [c.document for c in first + second]
     assert read_documents(config.datastore_dir) == expected
     assert pending(client, config) == 0
-    if crash_at == "after_manifest":
+    if point == "after_manifest":
         assert restarted.stats.skipped_already_indexed == 5  # in the shards already
     leftovers = [p.name for p in (tmp_path / "datastore").iterdir()
                  if p.name.startswith(".shard-")]
     assert leftovers == []
 
 
-@pytest.mark.parametrize("crash_at", ["during_merge", "after_merge_build",
-                                      "after_merge_manifest"])
+@pytest.mark.parametrize("point", MERGE_POINTS)
 def test_a_crash_in_a_merge_loses_nothing_and_duplicates_nothing(tmp_path, redis_server, names,
-                                                                 crash_at):
+                                                                 point):
     config = make_config(tmp_path, redis_server, names, merge_fanout=3, retire_grace_s=3600)
     client = redis.Redis.from_url(redis_server.url)
     healthy = Indexer(config)
@@ -281,7 +303,7 @@ def test_a_crash_in_a_merge_loses_nothing_and_duplicates_nothing(tmp_path, redis
         assert poll_until(healthy, lambda: healthy.stats.entries_indexed == len(documents))
     before = read_manifest(config.datastore_dir)
     assert len(before.shards) == 3
-    crashing = Indexer(config, crash_at=crash_at)
+    crashing = Indexer(config, fault=crash_at(point))
     with pytest.raises(SimulatedCrash):
         crashing.merge_once()
     after_crash = read_manifest(config.datastore_dir)
@@ -432,7 +454,7 @@ def test_indexer_rides_out_a_redis_restart(tmp_path, names):
 
 def test_drafter_picks_up_the_new_manifest_and_proposes_from_it(tmp_path, redis_server, names):
     config = make_config(tmp_path, redis_server, names)
-    drafter = Drafter(DrafterConfig(datastore_dir=config.datastore_dir, vocab_size=VOCAB,
+    drafter = LocalDrafter(DrafterConfig(datastore_dir=config.datastore_dir, vocab_size=VOCAB,
                                     tokenizer_fingerprint=FINGERPRINT, poll_interval_s=0.05,
                                     num_threads=1))
     drafter.start()
@@ -462,7 +484,7 @@ def test_drafter_agrees_with_the_manifest_after_the_cap_drops_a_shard(tmp_path, 
                                                                       names):
     config = make_config(tmp_path, redis_server, names, shard_tokens=100, max_shards=2)
     client = redis.Redis.from_url(redis_server.url)
-    drafter = Drafter(DrafterConfig(datastore_dir=config.datastore_dir, vocab_size=VOCAB,
+    drafter = LocalDrafter(DrafterConfig(datastore_dir=config.datastore_dir, vocab_size=VOCAB,
                                     tokenizer_fingerprint=FINGERPRINT, poll_interval_s=0.05,
                                     num_threads=1))
     drafter.start()

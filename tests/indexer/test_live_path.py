@@ -48,8 +48,8 @@ def test_api_conversations_become_drafts(tmp_path, target_model_fp32):
         assert result.totals.completion_tokens == 32 and len(prompt_ids) == prompt
         context = prompt_ids + result.token_ids[:8]
         expected = result.token_ids[8:12]
-        # The in-process drafter (behind the engine's source router), polling the manifest.
-        drafter = frontend.backend.engine.proposer.proposers["sssd"]
+        # The engine's in-process drafter, polling the manifest.
+        drafter = frontend.backend.engine.proposer
 
         def drafts_expected():
             """Whether the draft tree holds `expected` as a path from the root, wherever the

@@ -8,7 +8,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sssd.common.rpc.status import parse_unknown_ids
-from sssd.speculator.client import RemoteSpeculator, SsdProposer
+from sssd.speculator.client import RemoteSpeculator, SpeculatorProposer
 from sssd.speculator.config import SpeculatorConfig
 from sssd.speculator.service import SERVICE_NAME, create_server
 from sssd.v1 import speculator_pb2, speculator_pb2_grpc
@@ -95,7 +95,7 @@ def test_killed_mid_generation_then_restarted(make_speculator, engine_factory,
     speculator = make_speculator(8, lookahead=3, fanout_budget=8, critical_batch_size=8)
     server, port = serve(speculator)
     remote = RemoteSpeculator(f"127.0.0.1:{port}", timeout_s=5.0)
-    engine, _ = engine_factory(2, proposer=SsdProposer(remote), max_budget=4)
+    engine, _ = engine_factory(2, proposer=SpeculatorProposer(remote), max_budget=4)
     restarted = None
     try:
         sequences = [engine.add_request(GenerateRequest(mt_bench_prompts[i], MAX_TOKENS))
@@ -135,7 +135,7 @@ def test_speculator_past_its_deadline_is_skipped(make_speculator, engine_factory
 
     speculator.round = slow_round
     server, port = serve(speculator)
-    engine, _ = engine_factory(1, proposer=SsdProposer(RemoteSpeculator(
+    engine, _ = engine_factory(1, proposer=SpeculatorProposer(RemoteSpeculator(
         f"127.0.0.1:{port}", timeout_s=0.05)), max_budget=4)
     try:
         assert engine.generate([mt_bench_prompts[1]], 10) == [greedy_references[1][:10]]
@@ -182,7 +182,7 @@ def test_mode_ssd_serves_each_request_from_the_source_it_names(
         for index, seq in enumerate(sequences):
             assert seq.output_ids == greedy_references[index][:12]
         assert owners[:2] == ["ssd", "sssd"] and owners[2] in ("ssd", "sssd")
-        summary = router.summary()
+        summary = router.stats()
         # Only the requests routed to ssd reached the speculator; its client counted them.
         assert summary["ssd"]["rounds"] > 0 and summary["sssd"]["steps"] > 0
         rounds, rows = summary["ssd"]["rounds"], speculator.stats.rows
@@ -199,7 +199,7 @@ def test_prometheus_scrape_has_every_metric(make_speculator, free_port, mt_bench
     import urllib.request
 
     from sssd.speculator.service import start_metrics
-    from sssd.speculator.speculator import RoundInput
+    from sssd.speculator.protocol import RoundInput
 
     speculator = make_speculator(8, lookahead=3, fanout_budget=8)
     try:

@@ -4,8 +4,8 @@ seeded output, the speculation cache, and the round protocol's checks."""
 import pytest
 
 from sssd.common.drafting.proposer import CapacityError, SequenceNotFound
-from sssd.speculator.client import SsdProposer
-from sssd.speculator.speculator import FingerprintMismatch, RoundInput
+from sssd.speculator.client import SpeculatorProposer
+from sssd.speculator.protocol import FingerprintMismatch, RoundInput
 from sssd.verifier.engine import GenerateRequest, SamplingParams
 
 MAX_TOKENS = 16
@@ -34,7 +34,7 @@ def exact_ssd_run(make_speculator, engine_factory, loaded, mt_bench_prompts, gre
     decoding; returns the speculator's and the engine's statistics."""
     speculator = make_speculator(draft_layers, lookahead=3, fanout_budget=fanout_budget,
                                  critical_batch_size=8)
-    engine, _ = engine_factory(4, proposer=SsdProposer(speculator, fingerprint=loaded.fingerprint),
+    engine, _ = engine_factory(4, proposer=SpeculatorProposer(speculator, fingerprint=loaded.fingerprint),
                                max_budget=4)
     try:
         indices = PROMPTS[:num_prompts]
@@ -76,12 +76,12 @@ def test_misses_above_the_critical_batch_size_fall_back_to_sssd(
     """b* = 1: at batch 2 every miss is drafted by the fallback (an in-process SSSD drafter
     without datastore); the answers stay exact and the fallback really drafted."""
     from sssd.drafter.config import DrafterConfig
-    from sssd.drafter.drafter import Drafter
+    from sssd.drafter.drafter import LocalDrafter
 
-    fallback = Drafter(DrafterConfig(vocab_size=target_model_fp32.vocab_size, num_threads=1))
+    fallback = LocalDrafter(DrafterConfig(vocab_size=target_model_fp32.vocab_size, num_threads=1))
     fallback.start()
     speculator = make_speculator(8, lookahead=3, fanout_budget=12, critical_batch_size=1)
-    proposer = SsdProposer(speculator, fallback, target_model_fp32.fingerprint)
+    proposer = SpeculatorProposer(speculator, fallback, target_model_fp32.fingerprint)
     engine, _ = engine_factory(2, proposer=proposer, max_budget=8)
     try:
         indices = PROMPTS[:2]
@@ -104,7 +104,7 @@ def test_seeded_sampling_is_the_same_as_without_speculation(make_speculator, eng
     plain, _ = engine_factory(2, proposer=None)
     speculator = make_speculator(8, lookahead=3, fanout_budget=8, saguaro_c=0.5,
                                  critical_batch_size=8)
-    engine, _ = engine_factory(2, proposer=SsdProposer(speculator), max_budget=4)
+    engine, _ = engine_factory(2, proposer=SpeculatorProposer(speculator), max_budget=4)
     try:
         reference = generate(plain, prompts, 2, sampling)
         assert generate(engine, prompts, 2, sampling) == reference

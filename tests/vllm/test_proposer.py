@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sssd.common.drafting.draft_tree import DraftTree
-from sssd.vllm.proposer import ProposerSettings, SssdProposer, best_path
+from sssd.vllm.proposer import ProposerSettings, VllmDrafterProposer, best_path
 
 MAX_LEN = 64
 K = 3
@@ -41,7 +41,7 @@ class Table:
 def make(fake_proposer, num_drafts=4):
     drafter = fake_proposer(num_drafts)
     settings = ProposerSettings(drafter="127.0.0.1:1", budget=8)
-    return SssdProposer(vllm_config(), drafter=drafter, settings=settings), drafter
+    return VllmDrafterProposer(vllm_config(), drafter=drafter, settings=settings), drafter
 
 
 def test_rows_continue_their_sequences_with_only_the_new_tokens(fake_proposer):

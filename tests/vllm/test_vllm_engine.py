@@ -23,7 +23,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM runs in .venv-vllm: scripts/test
 NUM_PROMPTS = 6
 MAX_TOKENS = 40
 K = 4
-PROPOSER = "sssd.vllm.proposer.SssdProposer"
+PROPOSER = "sssd.vllm.proposer.VllmDrafterProposer"
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def spec_counts(llm):
 
 
 def proposer_counts(llm):
-    """(calls, failed calls) of the SssdProposer inside the engine's worker."""
+    """(calls, failed calls) of the VllmDrafterProposer inside the engine's worker."""
     def read(worker):
         drafter = worker.model_runner.drafter
         return drafter.num_calls, drafter.num_failures
@@ -125,7 +125,7 @@ def drafter(datastore, tokenizer):
 
     from sssd.common.model.tokenizer import tokenizer_fingerprint
 
-    class Drafter:
+    class DrafterProcess:
         process = None
         port = 0
 
@@ -144,7 +144,7 @@ def drafter(datastore, tokenizer):
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(10)
 
-    drafter = Drafter()
+    drafter = DrafterProcess()
     drafter.start()
     yield drafter
     if drafter.process.poll() is None:

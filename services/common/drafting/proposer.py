@@ -1,10 +1,12 @@
-"""The drafting interface: how every drafting source meets the verifier (DESIGN.md 2-3).
+"""The drafting interface: how every drafting source meets the verifier engine.
 
-In-process SSSD (`sssd.drafter.drafter.Drafter`), the remote drafter service
-(`sssd.drafter.client.RemoteDrafter`) and prompt lookup (a Drafter without a datastore)
-implement `Proposer`, and so does the SSD speculator (`sssd.speculator.client.SsdProposer`);
-the vLLM adapter is to implement it too. The engine makes one `propose` call per decoding step
-for its whole batch and knows nothing else about the source.
+In-process SSSD (`sssd.drafter.drafter.LocalDrafter`), the remote drafter service
+(`sssd.drafter.client.RemoteDrafter`, `sssd.drafter.replicas.ReplicatedDrafter`), prompt lookup
+(a LocalDrafter without a datastore), the SSD speculator
+(`sssd.speculator.client.SpeculatorProposer`) and several of them behind one
+(`sssd.common.drafting.router.SourceRouter`) implement `Proposer`. The engine makes one
+`propose` call per decoding step for its whole batch and knows of the source only what the
+protocol declares.
 
 This module imports neither grpc nor the C++ core, so code that only drafts through a remote
 service loads neither.
@@ -64,14 +66,20 @@ class Proposer(Protocol):
     the engine then decodes that step without drafts.
     """
 
+    # The drafting sources behind this proposer, by the API's speculation modes ("sssd",
+    # "ssd"): what a request may name in `DraftRequest.source`.
+    sources: tuple[str, ...]
+    # True when its tree of budget s is the first s nodes of its tree of any larger budget
+    # (nodes inserted best-first) and drafting a large tree costs little next to a forward
+    # pass: the measured budget policy then sometimes drafts larger trees than it verifies and
+    # scores the rest in hindsight (sssd.verifier.engine.hindsight). The n-gram drafters are;
+    # the SSD speculator is not.
+    hindsight_drafts: bool
+
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
         """Appends each request's tokens to its sequence and drafts one tree per request, in
-        order; a tree has at most `budget` nodes and its root is the sequence's last token."""
-        ...
-
-    def append(self, requests: Sequence[DraftRequest]) -> None:
-        """Appends each request's tokens to its sequence without drafting (budgets ignored):
-        for callers that must keep the proposer's state current on steps that do not draft."""
+        order; a tree has at most `budget` nodes and its root is the sequence's last token.
+        A budget of 1 drafts nothing (the tree is its root alone): the call only appends."""
         ...
 
     def end(self, seq_ids: Sequence[str]) -> int:
@@ -79,22 +87,12 @@ class Proposer(Protocol):
         the proposer held."""
         ...
 
-    def close(self) -> None:
-        """Releases the proposer's resources (threads, connections); idempotent."""
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per source, what it measures or counts for the metrics (the router: tokens per step
+        and draft time by source; the SSD client: cache hits, misses, fallbacks); {} when it
+        has nothing of its own."""
         ...
 
-
-# A proposer may set a class attribute `hindsight_drafts = True` when its tree of budget s is
-# the first s nodes of its tree of any larger budget (nodes inserted best-first) and drafting a
-# large tree costs little next to a forward pass: the measured budget policy then sometimes
-# drafts larger trees than it verifies and scores the rest in hindsight
-# (sssd.verifier.engine.hindsight). The n-gram drafters set it; the SSD speculator does not.
-
-
-@runtime_checkable
-class CountingProposer(Proposer, Protocol):
-    """A proposer with counters of its own to report (the SSD client: cache hits, misses,
-    fallbacks), exported beside the router's per-source measurements."""
-
-    def counts(self) -> dict[str, int]:
+    def close(self) -> None:
+        """Releases the proposer's resources (threads, connections); idempotent."""
         ...

@@ -1,5 +1,8 @@
 """Several drafting sources behind one `Proposer`: each sequence drafts with one of them.
 
+Only a server with two or more sources has a router (mode ssd: the speculator, and the SSSD
+drafter that is also its fallback); a lone source meets the engine directly.
+
 The engine makes one `propose` call per step for its batch; the router splits the batch by the
 source each sequence uses (the request's choice, `DraftRequest.source`, else the cheapest by
 measured cost), calls each source once with its rows and puts the trees back in batch order.
@@ -20,11 +23,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from sssd.common.drafting.batch_split import propose_split, raise_failure
 from sssd.common.drafting.draft_tree import DraftTree
-from sssd.common.drafting.proposer import CountingProposer, DraftRequest, Proposer, SequenceNotFound
+from sssd.common.drafting.proposer import DraftRequest, Proposer, SequenceNotFound
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +106,14 @@ class CostChooser:
 class SourceRouter:
     """A `Proposer` over named sources; see the module docstring."""
 
+    # A tree drafted larger than is verified would skew the tokens per step the chooser
+    # compares the sources by.
+    hindsight_drafts = False
+
     def __init__(self, sources: Mapping[str, Proposer], chooser: CostChooser | None = None) -> None:
-        if not sources:
-            raise ValueError("at least one drafting source is needed")
+        if len(sources) < 2:
+            raise ValueError("a router needs two or more drafting sources (a lone source "
+                             "meets the engine directly)")
         self.proposers = dict(sources)
         self.chooser = chooser or CostChooser(list(self.proposers))
         if set(self.chooser.names) != set(self.proposers):
@@ -120,22 +128,14 @@ class SourceRouter:
     def sources(self) -> tuple[str, ...]:
         return tuple(self.proposers)
 
-    @property
-    def hindsight_drafts(self) -> bool:
-        """A lone source's: with several, a tree drafted larger than is verified would skew
-        the tokens per step the chooser compares the sources by."""
-        return len(self.proposers) == 1 and \
-            getattr(next(iter(self.proposers.values())), "hindsight_drafts", False)
-
     def source_of(self, seq_id: str) -> str | None:
         return self._source_of.get(seq_id)
 
-    def summary(self) -> dict[str, dict[str, float]]:
+    def stats(self) -> dict[str, dict[str, float]]:
         """Per source: the measurements `auto` chooses by, and the source's own counters."""
         summary = self.chooser.summary()
         for name, proposer in self.proposers.items():
-            if isinstance(proposer, CountingProposer):
-                summary[name].update(proposer.counts())
+            summary[name].update(proposer.stats().get(name, {}))
         return summary
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
@@ -167,10 +167,6 @@ class SourceRouter:
         self._returned_at = time.perf_counter()
         return split.trees  # type: ignore[return-value]
 
-    def append(self, requests: Sequence[DraftRequest]) -> None:
-        """A propose at budget 1: the sources keep their state and draft nothing."""
-        self.propose([replace(r, budget=1) for r in requests])
-
     def end(self, seq_ids: Sequence[str]) -> int:
         by_source: dict[str, list[str]] = {}
         for seq_id in seq_ids:
@@ -193,4 +189,4 @@ class SourceRouter:
         known = self._source_of.get(request.seq_id)
         if known is not None:
             return known
-        return self.chooser.pick() if len(self.proposers) > 1 else next(iter(self.proposers))
+        return self.chooser.pick()

@@ -177,13 +177,13 @@ NB_MODULE(_core, m) {
           "shard"_a, "check_order"_a = true,
           "Invariant checker for one shard: '' if sound, else the first violation.");
 
-  nb::class_<sssd::Drafter>(m, "Drafter")
+  nb::class_<sssd::BatchDrafter>(m, "BatchDrafter")
       .def(nb::init<const sssd::DrafterParams&, int32_t>(), "params"_a, "num_threads"_a)
-      .def_prop_ro("num_threads", &sssd::Drafter::num_threads)
-      .def_prop_ro("params", &sssd::Drafter::params)
+      .def_prop_ro("num_threads", &sssd::BatchDrafter::num_threads)
+      .def_prop_ro("params", &sssd::BatchDrafter::params)
       .def(
           "propose",
-          [](sssd::Drafter& drafter, const BoundDatastore* datastore,
+          [](sssd::BatchDrafter& drafter, const BoundDatastore* datastore,
              const std::vector<sssd::InputTrie*>& tries, const InArray<int32_t>& new_tokens,
              const InArray<int64_t>& cu_num_new_tokens, const InArray<int32_t>& budgets) {
             for (sssd::InputTrie* trie : tries) {
@@ -205,7 +205,7 @@ NB_MODULE(_core, m) {
           "cu_num_nodes).")
       .def(
           "propose_one",
-          [](const sssd::Drafter& drafter, const BoundDatastore* datastore,
+          [](const sssd::BatchDrafter& drafter, const BoundDatastore* datastore,
              sssd::InputTrie& trie, int32_t budget) {
             if (trie.tokens().empty()) throw std::invalid_argument("the sequence is empty");
             if (budget < 1) throw std::invalid_argument("budget must be >= 1");

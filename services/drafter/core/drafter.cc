@@ -21,14 +21,14 @@ Scratch& thread_scratch() {
 
 }  // namespace
 
-Drafter::Drafter(const DrafterParams& params, int32_t num_threads) : params_(params) {
+BatchDrafter::BatchDrafter(const DrafterParams& params, int32_t num_threads) : params_(params) {
   const std::string problem = params.validate();
   if (!problem.empty()) throw std::invalid_argument(problem);
   if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
   pool_ = std::make_unique<ThreadPool>(num_threads);
 }
 
-void Drafter::propose_one(const Datastore* datastore, const InputTrie& trie, int32_t budget,
+void BatchDrafter::propose_one(const Datastore* datastore, const InputTrie& trie, int32_t budget,
                           DraftTree& out) const {
   const std::vector<int32_t>& sequence = trie.tokens();
   Scratch& scratch = thread_scratch();
@@ -43,7 +43,7 @@ void Drafter::propose_one(const Datastore* datastore, const InputTrie& trie, int
   merge_sources(sources, sequence.back(), budget, scratch.merge, out);
 }
 
-void Drafter::propose(const Datastore* datastore, std::span<InputTrie* const> tries,
+void BatchDrafter::propose(const Datastore* datastore, std::span<InputTrie* const> tries,
                       std::span<const int32_t> new_tokens,
                       std::span<const int64_t> cu_num_new_tokens,
                       std::span<const int32_t> budgets, DraftBatch& out) {

@@ -24,10 +24,10 @@ struct DraftBatch {
   std::vector<int64_t> cu_num_nodes;  // [num_seqs + 1]
 };
 
-class Drafter {
+class BatchDrafter {
  public:
   // Throws std::invalid_argument if `params` is out of range or num_threads < 1.
-  Drafter(const DrafterParams& params, int32_t num_threads);
+  BatchDrafter(const DrafterParams& params, int32_t num_threads);
 
   // Row i appends new_tokens[cu_num_new_tokens[i], cu_num_new_tokens[i + 1]) to tries[i], then
   // drafts a tree of at most budgets[i] nodes. `datastore` may be null (input trie only).

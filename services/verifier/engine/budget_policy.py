@@ -33,7 +33,6 @@ DEFAULT_BUDGETS = (1, 2, 4, 8, 16, 32)
 DEFAULT_ACCEPTANCE_PRIOR = {1: 0.0, 2: 0.43, 4: 0.82, 8: 1.1, 16: 1.3, 32: 1.45}
 PRIOR_WEIGHT = 8  # the prior counts as this many observed steps
 PROFILE_WEIGHT = 8  # a profiled step time counts as this many observed ones
-SAVE_EVERY = 100  # observed steps between saves of the acceptance statistics
 FAR_BEHIND = 0.2  # a next budget this far below the best rate is explored rarely
 FAR_EXPLORE_FACTOR = 8  # how much more rarely
 DEFAULT_BATCHES = (1, 2, 4, 8)
@@ -190,14 +189,13 @@ class MeasuredBudget:
     budget is explored on that schedule (down to budget 1, the fallback, whose profiled time
     may be off by as much as speculation gains at a large batch) and the next larger one half
     as often. Near-ties go to the smaller budget: it costs less drafting and cache room for
-    nothing. With `stats_path` the estimates are saved every SAVE_EVERY steps, to be the next
-    start's prior.
+    nothing. `save_stats` writes the estimates, to be the next start's prior (a serving loop's
+    observer calls it; the step never touches the disk).
     """
 
     def __init__(self, profile: ForwardProfile, max_budget: int, decay: float = 0.05,
                  explore_every: int = 8, tie_tolerance: float = 0.03,
-                 prior: dict[int, float] | None = None,
-                 stats_path: str | os.PathLike | None = None, hindsight_every: int = 4) -> None:
+                 prior: dict[int, float] | None = None, hindsight_every: int = 4) -> None:
         self.profile = profile
         self.candidates = sorted(((j, s) for j, s in enumerate(profile.budgets) if s <= max_budget),
                                  key=lambda candidate: candidate[1])  # ascending budgets
@@ -220,9 +218,7 @@ class MeasuredBudget:
                 self._weights[s] = PRIOR_WEIGHT
         self.observed_seconds: dict[tuple[int, int], float] = {}  # (b, s) -> moving average
         self._seconds_weights: dict[tuple[int, int], int] = {}  # steps behind each average
-        self.stats_path = stats_path
         self._num_calls = 0
-        self._num_observed = 0
 
     def budget(self, batch_size: int) -> int:
         self._num_calls += 1
@@ -264,9 +260,6 @@ class MeasuredBudget:
             if s > budget:
                 break
             self._learn_acceptance(s, accepted_nodes)
-        self._num_observed += 1
-        if self.stats_path is not None and self._num_observed % SAVE_EVERY == 0:
-            self.save_stats(self.stats_path)
 
     def _learn_seconds(self, batch_size: int, budget: int, step_s: float) -> None:
         key = (batch_size, budget)

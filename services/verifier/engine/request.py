@@ -153,3 +153,15 @@ class RequestLimits:
                                  f"source (it has {offered}; ssd needs a server started with "
                                  f"--speculator)")
 
+
+def end_reason(token_id: int, num_output_tokens: int, max_tokens: int,
+               eos_token_ids: frozenset[int]) -> str | None:
+    """How an answer ends at its `num_output_tokens`-th token `token_id`, as far as the token ids
+    tell (the engine and the Ray backend's failover both judge by it): EOS ends it as "stop",
+    reaching `max_tokens` as "length", else None. Stop strings (on the text) and the end of the
+    context window are the engine's own checks."""
+    if token_id in eos_token_ids:
+        return "stop"
+    if num_output_tokens >= max_tokens:
+        return "length"
+    return None

@@ -51,6 +51,23 @@ class RequestHandle:
     done: bool = False
 
 
+def request_totals(handle: RequestHandle, completion_tokens: int, finish_reason: str, now: float,
+                   num_decoded: int | None = None,
+                   mean_accepted_length: float = 0.0) -> Totals:
+    """The totals of a request that ended at `now` (time.perf_counter()), timed as its submitter
+    saw it: from its arrival and `handle.first_token_at`. The decoding rate counts
+    `num_decoded` tokens after the first token (default: all but the first)."""
+    first = handle.first_token_at or now
+    decode_s = now - first
+    if num_decoded is None:
+        num_decoded = completion_tokens - 1
+    return Totals(prompt_tokens=handle.num_prompt_tokens, completion_tokens=completion_tokens,
+                  time_to_first_token_s=first - handle.arrival, total_s=now - handle.arrival,
+                  tokens_per_second=num_decoded / decode_s
+                  if num_decoded > 0 and decode_s > 0 else 0.0,
+                  mean_accepted_length=mean_accepted_length, finish_reason=finish_reason)
+
+
 class Backend(Protocol):
     @property
     def limits(self) -> RequestLimits:

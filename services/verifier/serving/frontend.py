@@ -184,7 +184,7 @@ class Frontend:
                                       publish=config.publish).start()
             tokenizer = load_tokenizer(engine_config.model)
         else:
-            from sssd.verifier.serving.loop import build_engine_loop
+            from sssd.verifier.serving.assembly import build_engine_loop
 
             loaded = loaded or load_causal_lm(engine_config.model, engine_config.dtype)
             self.backend = build_engine_loop(engine_config, loaded, config.max_requests,

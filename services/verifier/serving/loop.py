@@ -14,70 +14,28 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from sssd.common.rpc.totals import Totals
 from sssd.verifier.engine.detokenizer import stream_safe_end
 from sssd.verifier.engine.engine import Engine
 from sssd.verifier.engine.handoff import PrefilledPrompt
 from sssd.verifier.engine.output import RowOutput, StepOutput
 from sssd.verifier.engine.request import GenerateRequest, RequestLimits
 from sssd.verifier.engine.sequence import Sequence
-from sssd.verifier.serving.backend import Admission, RequestHandle, StepInfo, StreamEvent
+from sssd.verifier.serving.backend import (
+    Admission,
+    RequestHandle,
+    StepInfo,
+    StreamEvent,
+    request_totals,
+)
 from sssd.verifier.serving.errors import Draining, ErrorKind, StreamError
-
-if TYPE_CHECKING:
-    from sssd.common.model.loader import LoadedModel
-    from sssd.common.conversations.publisher import PublishConfig
-    from sssd.verifier.engine.config import EngineConfig
+from sssd.verifier.serving.observers import LoopObserver
 
 logger = logging.getLogger(__name__)
 
 # While idle the loop still wakes this often so observers can re-report their gauges (Ray drops
 # a gauge from its Prometheus export about 10 s after its last update).
 IDLE_TICK_S = 2.0
-
-
-class LoopObserver:
-    """Hooks for metrics and sinks; called on the loop thread, so they must be quick."""
-
-    def on_step(self, step: StepOutput, step_s: float) -> None:
-        """After every engine step; `step_s` is its wall time."""
-
-    def on_finish(self, seq: Sequence | None, totals: Totals | None,
-                  error: StreamError | None) -> None:
-        """A request ended: with its sequence and totals (finished or cancelled), or with an
-        error (then `seq` may be None)."""
-
-    def on_queue(self, num_waiting: int, num_running: int) -> None:
-        """The number of queued (not yet admitted) and running requests, once per loop pass."""
-
-    def close(self) -> None:
-        """The loop has stopped: release resources (connections, background threads)."""
-
-
-class Observers(LoopObserver):
-    """Several observers as one, called in order."""
-
-    def __init__(self, *observers: LoopObserver) -> None:
-        self.observers = observers
-
-    def on_step(self, step: StepOutput, step_s: float) -> None:
-        for observer in self.observers:
-            observer.on_step(step, step_s)
-
-    def on_finish(self, seq: Sequence | None, totals: Totals | None,
-                  error: StreamError | None) -> None:
-        for observer in self.observers:
-            observer.on_finish(seq, totals, error)
-
-    def on_queue(self, num_waiting: int, num_running: int) -> None:
-        for observer in self.observers:
-            observer.on_queue(num_waiting, num_running)
-
-    def close(self) -> None:
-        for observer in self.observers:
-            observer.close()
 
 
 @dataclass
@@ -246,47 +204,10 @@ class EngineLoop:
             handle.events.put(StreamEvent([], "", error=error))
             self.observer.on_finish(seq, None, error)
             return
-        now = time.perf_counter()
-        first = handle.first_token_at or now
-        completion = len(seq.output_ids)
-        decode_s = now - first
-        totals = Totals(
-            prompt_tokens=handle.num_prompt_tokens, completion_tokens=completion,
-            time_to_first_token_s=first - handle.arrival, total_s=now - handle.arrival,
-            tokens_per_second=(completion - seq.num_resumed - 1) / decode_s
-            if completion > seq.num_resumed + 1 and decode_s > 0
-            else 0.0,
-            # Over this engine's steps: a resumed answer's first tokens came from elsewhere.
-            mean_accepted_length=(completion - seq.num_resumed - 1) / seq.num_steps
-            if seq.num_steps else 0.0,
-            finish_reason=seq.finish_reason or "stop")
+        # Over this engine's steps: a resumed answer's first tokens came from elsewhere.
+        num_decoded = len(seq.output_ids) - seq.num_resumed - 1
+        totals = request_totals(handle, len(seq.output_ids), seq.finish_reason or "stop",
+                                time.perf_counter(), num_decoded,
+                                num_decoded / seq.num_steps if seq.num_steps else 0.0)
         handle.events.put(StreamEvent([], "", totals=totals))
         self.observer.on_finish(seq, totals, None)
-
-
-def build_engine_loop(config: EngineConfig, loaded: LoadedModel, max_requests: int,
-                      publish: PublishConfig | None = None, worker: str = "local",
-                      ray_metrics: bool = False) -> EngineLoop:
-    """An engine (with its text tracked, for streaming) and its serving loop, started.
-    `publish` (a PublishConfig): completed conversations go to the live datastore's stream;
-    `ray_metrics`: the loop reports through ray.util.metrics (inside a Ray worker).
-    `EngineLoop.close` releases all of it."""
-    from sssd.verifier.factory import build_engine
-
-    observers: list[LoopObserver] = []
-    publisher = None
-    if publish is not None:
-        from sssd.verifier.serving.publish import ConversationSink
-
-        sink = ConversationSink(publish, loaded.fingerprint, worker=worker)
-        publisher = sink.publisher
-        observers.append(sink)
-    engine = build_engine(config, loaded, detokenize=True)
-    if ray_metrics:
-        from sssd.common.drafting.router import SourceRouter
-        from sssd.verifier.serving.metrics import DecodeMetrics
-
-        router = engine.proposer if isinstance(engine.proposer, SourceRouter) else None
-        observers.append(DecodeMetrics(worker, publisher=publisher,
-                                       drafting=router.summary if router else None))
-    return EngineLoop(engine, max_requests, Observers(*observers)).start()

@@ -4,20 +4,20 @@ Ray's per-node metrics agent exports them on its Prometheus endpoint (the `metri
 local cluster) and the Ray dashboard charts them; every name starts with `sssd_` (Prometheus
 shows it as `ray_sssd_...`). They are recorded inside the workers (Ray actors), tagged with the
 worker's name. Outside a Ray worker `ray.util.metrics` does nothing, so the single-process mode
-uses the plain `LoopObserver` instead.
+uses no metrics observer.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 
+from sssd.common.drafting.proposer import Proposer
 from sssd.common.rpc.totals import Totals
 from sssd.verifier.engine.output import StepOutput
 from sssd.verifier.engine.sequence import Sequence
 from sssd.verifier.serving.errors import StreamError
-from sssd.verifier.serving.loop import LoopObserver
+from sssd.verifier.serving.observers import LoopObserver
 
 # Milliseconds: CPU verification steps take 20-200 ms, drafts 0.05-5 ms, prefills up to seconds.
 LATENCY_BOUNDARIES_MS = [0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000]
@@ -30,11 +30,10 @@ GAUGE_REFRESH_S = 1.0
 class DecodeMetrics(LoopObserver):
     """The decode worker's metrics: requests, tokens, speed, speculation, queue, drafter."""
 
-    def __init__(self, worker: str, publisher=None,
-                 drafting: Callable[[], dict[str, dict[str, float]]] | None = None) -> None:
+    def __init__(self, worker: str, publisher=None, proposer: Proposer | None = None) -> None:
         """`publisher`: the worker's ConversationPublisher (live datastore), if any;
-        `drafting`: per drafting source, its measurements and counters (the engine's
-        SourceRouter.summary), read on the loop's thread."""
+        `proposer`: the engine's, whose per-source `stats()` are read on the loop's thread."""
+        # Imported here: ray.util.metrics loads Ray, which only a worker inside Ray has.
         from ray.util import metrics
 
         tags = ("worker",)
@@ -74,7 +73,7 @@ class DecodeMetrics(LoopObserver):
             "sssd_conversations", "Completed conversations for the live datastore, by state: "
             "published (in the stream), spooled (ever written to the disk spool while Redis was "
             "away), dropped (spool full)", tag_keys=("worker", "state"))
-        self.drafting = drafting
+        self.proposer = proposer
         self.sources = metrics.Gauge(
             "sssd_drafting_source", "Per drafting source (sssd, ssd), by stat: steps, sequences, "
             "tokens_per_step, draft_ms, tokens_per_second (what speculation auto chooses by); "
@@ -85,7 +84,8 @@ class DecodeMetrics(LoopObserver):
                        self.drafter_errors, self.drafter_fallbacks, self.conversations,
                        self.sources):
             metric.set_default_tags({"worker": worker})
-        self._window: deque[tuple[float, int, int]] = deque(maxlen=WINDOW_STEPS)
+        self._window: deque[tuple[float, int, int, float]] = deque(maxlen=WINDOW_STEPS)
+        self._num_row_steps = 0  # sequence-steps verified with drafts (all time)
         self._last: dict[str, float] = {}  # gauge values, re-set while idle
         self._refreshed = float("-inf")  # monotonic time the gauges were last set
 
@@ -99,10 +99,12 @@ class DecodeMetrics(LoopObserver):
             return
         verified = [row for row in step.rows if row.is_verified]
         self._window.append((step_s, step.num_verified,
-                             sum(row.num_accepted + 1 for row in verified)))
-        seconds = sum(s for s, _, _ in self._window)
-        rows = sum(r for _, r, _ in self._window)
-        tokens = sum(t for _, _, t in self._window)
+                             sum(row.num_accepted + 1 for row in verified), step.draft_s))
+        if step.budget > 1:
+            self._num_row_steps += step.num_verified
+        seconds = sum(s for s, _, _, _ in self._window)
+        rows = sum(r for _, r, _, _ in self._window)
+        tokens = sum(t for _, _, t, _ in self._window)
         if seconds > 0:
             self._last["tokens_per_second"] = tokens / seconds
         if rows:
@@ -135,10 +137,29 @@ class DecodeMetrics(LoopObserver):
             stats = self.publisher.stats
             for state in ("published", "spooled", "dropped"):
                 self.conversations.set(getattr(stats, state), tags={"state": state})
-        if self.drafting is not None:
-            for source, stats in self.drafting().items():
-                for stat, value in stats.items():
-                    self.sources.set(float(value), tags={"source": source, "stat": stat})
+        for source, stats in self._source_stats().items():
+            for stat, value in stats.items():
+                self.sources.set(float(value), tags={"source": source, "stat": stat})
+
+    def _source_stats(self) -> dict[str, dict[str, float]]:
+        """Per drafting source, the proposer's own figures; a lone source's are the worker's
+        (every step drafts from it), from the same window as the worker's gauges."""
+        if self.proposer is None:
+            return {}
+        stats = self.proposer.stats()
+        if len(self.proposer.sources) == 1 and self._window:
+            (source,) = self.proposer.sources
+            seconds = sum(s for s, _, _, _ in self._window)
+            rows = sum(r for _, r, _, _ in self._window)
+            tokens = sum(t for _, _, t, _ in self._window)
+            own = {"steps": self._num_row_steps,
+                   "tokens_per_step": tokens / rows if rows else 0.0,
+                   "draft_ms": 1e3 * sum(d for _, _, _, d in self._window) / len(self._window),
+                   # What one sequence gets, as the router reports it per source.
+                   "tokens_per_second": tokens / rows / (seconds / len(self._window))
+                   if rows and seconds else 0.0}
+            stats = {source: {**own, **stats.get(source, {})}}
+        return stats
 
 
 class PrefillMetrics:

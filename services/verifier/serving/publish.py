@@ -13,7 +13,7 @@ import os
 from sssd.common.conversations.record import Conversation
 from sssd.common.conversations.publisher import ConversationPublisher, PublishConfig
 from sssd.verifier.engine.output import StepOutput
-from sssd.verifier.serving.loop import LoopObserver
+from sssd.verifier.serving.observers import LoopObserver
 
 
 class ConversationSink(LoopObserver):

@@ -37,9 +37,8 @@ import time
 from dataclasses import dataclass, replace
 
 from sssd.verifier.engine.config import EngineConfig
-from sssd.common.rpc.totals import Totals
-from sssd.verifier.engine.request import GenerateRequest, RequestLimits
-from sssd.verifier.serving.backend import Admission, RequestHandle, StreamEvent
+from sssd.verifier.engine.request import GenerateRequest, RequestLimits, end_reason
+from sssd.verifier.serving.backend import Admission, RequestHandle, StreamEvent, request_totals
 from sssd.verifier.serving.config import RayConfig
 from sssd.verifier.serving.errors import ErrorKind, StreamError
 from sssd.verifier.serving.ray_auth import init_ray
@@ -317,7 +316,10 @@ class RayBackend:
                 if event.token_ids and handle.first_token_at is None:
                     handle.first_token_at = now
                 if event.totals is not None:  # timed here: includes the transfers
-                    event = replace(event, totals=self._timed(handle, event.totals, now))
+                    totals = request_totals(handle, event.totals.completion_tokens,
+                                            event.totals.finish_reason, now,
+                                            mean_accepted_length=event.totals.mean_accepted_length)
+                    event = replace(event, totals=totals)
                 progress.token_ids.extend(event.token_ids)
                 progress.text_chars += len(event.text)
                 handle.events.put(event)
@@ -348,30 +350,13 @@ class RayBackend:
         """A worker that died after the answer's last token and before its end: ends the
         stream here (EOS or max_tokens reached) and returns True; else False."""
         tokens = progress.token_ids
-        if not tokens:
+        reason = end_reason(tokens[-1], len(tokens), request.max_tokens, self._eos_token_ids) \
+            if tokens else None
+        if reason is None:
             return False
-        if len(tokens) >= request.max_tokens:
-            reason = "length"
-        elif tokens[-1] in self._eos_token_ids:
-            reason = "stop"
-        else:
-            return False
-        totals = Totals(prompt_tokens=handle.num_prompt_tokens, completion_tokens=len(tokens),
-                        time_to_first_token_s=0.0, total_s=0.0, tokens_per_second=0.0,
-                        mean_accepted_length=0.0, finish_reason=reason)
-        handle.events.put(StreamEvent([], "", totals=self._timed(handle, totals,
-                                                                 time.perf_counter())))
+        handle.events.put(StreamEvent([], "", totals=request_totals(
+            handle, len(tokens), reason, time.perf_counter())))
         return True
-
-    @staticmethod
-    def _timed(handle: RequestHandle, totals: Totals, now: float) -> Totals:
-        """The request's times as the client sees them (transfers and failovers included)."""
-        first = handle.first_token_at or now
-        decode_s = now - first
-        return replace(totals, time_to_first_token_s=first - handle.arrival,
-                       total_s=now - handle.arrival,
-                       tokens_per_second=(totals.completion_tokens - 1) / decode_s
-                       if totals.completion_tokens > 1 and decode_s > 0 else 0.0)
 
 
 def _pin(resource: str | None) -> dict[str, float]:

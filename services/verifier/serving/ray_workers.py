@@ -79,7 +79,7 @@ class DecodeWorker(_ModelWorker):
 
     def __init__(self, config: EngineConfig, name: str, max_requests: int,
                  torch_threads: int = 1, metrics: bool = True, publish=None) -> None:
-        from sssd.verifier.serving.loop import build_engine_loop
+        from sssd.verifier.serving.assembly import build_engine_loop
 
         super().__init__(config, name, torch_threads)
         # `publish`: completed conversations to the live datastore's stream.

@@ -5,7 +5,6 @@ import pytest
 
 from sssd.verifier.engine.budget_policy import (
     DEFAULT_ACCEPTANCE_PRIOR,
-    SAVE_EVERY,
     FixedBudget,
     ForwardProfile,
     MeasuredBudget,
@@ -109,18 +108,6 @@ def test_a_prior_makes_the_first_step_speculate():
     # The prior counts as PRIOR_WEIGHT steps: a few observed steps move it, not replace it.
     policy.observe(1, 16, [[]], 0.04)
     assert 0 < policy.expected_accepted[16] < DEFAULT_ACCEPTANCE_PRIOR[16]
-
-
-def test_acceptance_statistics_are_saved_and_become_the_next_prior(tmp_path):
-    path = tmp_path / "forward.sssd.acceptance.json"
-    policy = MeasuredBudget(flat_then_linear_profile(), max_budget=32,
-                            prior=DEFAULT_ACCEPTANCE_PRIOR, stats_path=path)
-    for _ in range(SAVE_EVERY):
-        policy.observe(1, 32, [[1, 3, 7, 15, 31]], 0.04)
-    saved = load_acceptance(path)
-    assert saved == pytest.approx({s: v for s, v in policy.expected_accepted.items()})
-    assert saved[32] > 4 > DEFAULT_ACCEPTANCE_PRIOR[32]
-    assert load_acceptance(tmp_path / "missing.json") is None
 
 
 def test_a_profile_measured_with_another_setting_is_not_reused(tmp_path):

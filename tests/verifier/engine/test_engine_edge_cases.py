@@ -13,6 +13,9 @@ class OracleDrafter:
     """Drafts the known greedy continuation as a chain, plus a wrong first-level branch, so that
     whole chains get accepted and stops land inside accepted paths."""
 
+    sources = ("sssd",)
+    hindsight_drafts = False
+
     def __init__(self, prompts, references):
         self.prompts = prompts
         self.references = references
@@ -43,13 +46,12 @@ class OracleDrafter:
             trees.append(DraftTree(np.array(tokens, np.int32), np.array(parents, np.int32)))
         return trees
 
-    def append(self, requests):
-        for request in requests:
-            self.contexts[request.seq_id] += list(request.token_ids)
-
     def end(self, seq_ids):
         self.ended += list(seq_ids)
         return sum(self.contexts.pop(seq_id, None) is not None for seq_id in seq_ids)
+
+    def stats(self):
+        return {}
 
     def close(self):
         pass

@@ -5,7 +5,7 @@ import time
 
 from sssd.drafter.client import RemoteDrafter
 from sssd.drafter.config import DrafterConfig
-from sssd.drafter.drafter import Drafter
+from sssd.drafter.drafter import LocalDrafter
 from sssd.drafter.service import create_server
 from sssd.verifier.engine import GenerateRequest
 
@@ -59,7 +59,7 @@ def test_drafter_killed_mid_generation_then_restarted(engine_factory, target_mod
         stop_drafter(server, drafter)
 
 
-class SlowDrafter(Drafter):
+class SlowDrafter(LocalDrafter):
     """A real drafter that answers after the client's deadline."""
 
     def propose(self, requests):

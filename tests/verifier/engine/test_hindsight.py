@@ -186,14 +186,14 @@ def test_hindsight_paths_equal_verified_paths(engine_factory, mt_bench_prompts, 
         drafter.close()
     scored, drafter = engine_factory(1, warm_datastore)
     starts = []
-    original = scored._hindsight.decided
+    original = scored.drafting._hindsight.decided
 
     def decided():
         groups = original()
         starts.extend(group.starts[0] for group in groups)
         return groups
 
-    scored._hindsight.decided = decided
+    scored.drafting._hindsight.decided = decided
     try:
         scored.budget_policy = Recorder(scored, 1)
         [output] = scored.generate([prompt], max_tokens=48)

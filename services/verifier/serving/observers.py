@@ -1,0 +1,91 @@
+"""What watches an engine loop: the `LoopObserver` hooks, several observers as one, and the
+observer that keeps the measured budget policy's acceptance statistics on disk.
+
+The metrics (metrics.py) and the live datastore's conversation sink (publish.py) are observers
+too; assembly.py puts a loop and its observers together.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from sssd.common.rpc.totals import Totals
+from sssd.verifier.engine.budget_policy import MeasuredBudget
+from sssd.verifier.engine.output import StepOutput
+from sssd.verifier.engine.sequence import Sequence
+from sssd.verifier.serving.errors import StreamError
+
+logger = logging.getLogger(__name__)
+
+SAVE_EVERY = 100  # verification steps between saves of the acceptance statistics
+
+
+class LoopObserver:
+    """Hooks for metrics and sinks; called on the loop thread, so they must be quick."""
+
+    def on_step(self, step: StepOutput, step_s: float) -> None:
+        """After every engine step; `step_s` is its wall time."""
+
+    def on_finish(self, seq: Sequence | None, totals: Totals | None,
+                  error: StreamError | None) -> None:
+        """A request ended: with its sequence and totals (finished or cancelled), or with an
+        error (then `seq` may be None)."""
+
+    def on_queue(self, num_waiting: int, num_running: int) -> None:
+        """The number of queued (not yet admitted) and running requests, once per loop pass."""
+
+    def close(self) -> None:
+        """The loop has stopped: release resources (connections, background threads)."""
+
+
+class Observers(LoopObserver):
+    """Several observers as one, called in order."""
+
+    def __init__(self, *observers: LoopObserver) -> None:
+        self.observers = observers
+
+    def on_step(self, step: StepOutput, step_s: float) -> None:
+        for observer in self.observers:
+            observer.on_step(step, step_s)
+
+    def on_finish(self, seq: Sequence | None, totals: Totals | None,
+                  error: StreamError | None) -> None:
+        for observer in self.observers:
+            observer.on_finish(seq, totals, error)
+
+    def on_queue(self, num_waiting: int, num_running: int) -> None:
+        for observer in self.observers:
+            observer.on_queue(num_waiting, num_running)
+
+    def close(self) -> None:
+        for observer in self.observers:
+            observer.close()
+
+
+class AcceptanceSaver(LoopObserver):
+    """Saves the measured budget policy's acceptance estimates every SAVE_EVERY verification
+    steps and when the loop stops: the next start takes them as its prior
+    (`budget_policy.load_acceptance`), so a restarted server speculates from its first step."""
+
+    def __init__(self, policy: MeasuredBudget, path: str | os.PathLike) -> None:
+        self.policy = policy
+        self.path = path
+        self._num_steps = 0
+
+    def on_step(self, step: StepOutput, step_s: float) -> None:
+        if not step.num_verified:
+            return
+        self._num_steps += 1
+        if self._num_steps % SAVE_EVERY == 0:
+            self._save()
+
+    def close(self) -> None:
+        if self._num_steps:
+            self._save()
+
+    def _save(self) -> None:
+        try:
+            self.policy.save_stats(self.path)
+        except OSError as exc:  # a full or read-only disk must not stop serving
+            logger.warning("could not save the acceptance statistics to %s: %s", self.path, exc)
