@@ -43,6 +43,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from sssd.common.config.logs import configure_logging
+
 logger = logging.getLogger("chaos")
 
 KINDS = ("drafter", "decode", "prefill", "indexer", "redis", "speculator")
@@ -63,10 +65,14 @@ class Stack:
         from sssd.cli.datastores import pick_datastore
         from sssd.cli.processes import start_drafter, start_indexer, start_speculator
         from sssd.cli.supervisor import Supervisor
+        from sssd.common.conversations.redis_server import (
+            RedisServer,
+            ensure_password_file,
+            free_port,
+            use_password_file,
+        )
         from sssd.common.model.tokenizer import tokenizer_fingerprint, vocab_size
         from sssd.datastore.build import link_datastore, read_documents
-        from sssd.common.conversations.redis_server import (RedisServer, ensure_password_file, free_port,
-                                               use_password_file)
 
         work = args.work_dir
         shutil.rmtree(work, ignore_errors=True)
@@ -106,7 +112,7 @@ class Stack:
         drafters = ",".join(f"127.0.0.1:{self.ports[n]}" for n in ("drafter-0", "drafter-1"))
         engine = EngineConfig(
             dtype="float32", mode="ssd" if args.speculator else "sssd", max_batch_size=4,
-            max_len=1024, drafter_target=drafters, drafter_timeout_s=1.0,
+            max_len=1024, drafter_target=drafters, drafter_timeout_s=1.0, budget_policy="rule",
             speculator_target=f"127.0.0.1:{self.ports['speculator']}" if args.speculator
             else None)
         ray_config = RayConfig(num_prefill_workers=1, num_decode_workers=2, auth="token",
@@ -406,8 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rate <= 0 or args.duration_s <= args.warmup_s + args.window_s:
         parser.error("need --rate > 0 and --duration-s > --warmup-s + --window-s")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
-                        "%(message)s")
+    configure_logging(logging.INFO)
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # children are spawned, not forked
     for row in run(args):
         line = json.dumps(row)

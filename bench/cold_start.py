@@ -23,11 +23,12 @@ import argparse
 import json
 import logging
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from sssd.common.config.logs import configure_logging
 
 logger = logging.getLogger("cold_start")
 
@@ -94,20 +95,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--png", type=Path, default=Path("bench/cold_start.png"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s: %(message)s")
+    configure_logging(logging.INFO)
     steps = [int(s) for s in args.steps.split(",")]
     if steps != sorted(steps) or steps[0] < 0:
         parser.error("--steps must be increasing and non-negative")
     if not args.outputs.is_file():
         parser.error(f"{args.outputs} not found: make it with `sssd-self-outputs generate`")
 
+    from sssd.common.conversations.publisher import ConversationPublisher
+    from sssd.common.conversations.record import Conversation
+    from sssd.common.conversations.redis_server import RedisServer
     from sssd.common.data.corpus import first_turns, prompt_token_ids, read_mt_bench
     from sssd.common.model.loader import load_causal_lm
-    from sssd.common.conversations.record import Conversation
     from sssd.indexer.indexer import Indexer, IndexerConfig
-    from sssd.common.conversations.publisher import ConversationPublisher
-    from sssd.common.conversations.redis_server import RedisServer
     from sssd.verifier.engine.config import EngineConfig
     from sssd.verifier.factory import build_engine
 
@@ -134,8 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     ar = build_engine(EngineConfig(mode="ar", dtype=args.dtype, max_batch_size=1,
                                    max_len=max_len), loaded)
     sssd = build_engine(EngineConfig(mode="sssd", dtype=args.dtype, max_batch_size=1,
-                                     max_len=max_len, datastore_dir=str(datastore)), loaded)
-    drafter = sssd.proposer.proposers["sssd"]  # the in-process drafter behind the router
+                                     max_len=max_len, datastore_dir=str(datastore),
+                                     budget_policy="rule"), loaded)
+    drafter = sssd.proposer  # the in-process drafter
     for engine in (ar, sssd):
         engine.generate([prompts[0][:16]], 4)  # warm-up
     rows, fed, tokens = [], 0, 0

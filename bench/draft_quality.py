@@ -44,6 +44,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prompt_sets import prompt_texts  # noqa: E402
 
+from sssd.common.config.logs import configure_logging
+
 logger = logging.getLogger("draft_quality")
 
 REFERENCE_DIR = Path("var/bench/references")
@@ -275,12 +277,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-ours", action="store_true",
                         help="score the reference only")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(message)s")
+    configure_logging(logging.INFO)
 
     from sssd.cli.datastores import pick_datastore
     from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
-    from sssd.drafter.config import DraftParams, DrafterConfig
+    from sssd.drafter.config import DrafterConfig, DraftParams
     from sssd.drafter.drafter import LocalDrafter
 
     tokenizer = load_tokenizer(None)

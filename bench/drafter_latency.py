@@ -1,4 +1,5 @@
-"""Drafter latency per decode step, in process and over gRPC, and resident bytes per datastore token.
+"""Drafter latency per decode step, in process and over gRPC, and resident bytes per datastore
+token.
 
 Builds (or reuses) datastores from a synthetic token stream that looks like text to the drafter:
 a Zipf vocabulary mixed with a pool of repeated phrases drawn with Zipf frequency, cut into
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from sssd.common.config.logs import configure_logging
 
 logger = logging.getLogger("drafter_latency")
 
@@ -124,7 +127,8 @@ def ensure_datastore(cache_dir: Path, text: SyntheticText, num_tokens: int, num_
     """The datastore of `num_tokens` synthetic tokens, built unless a finished one is cached."""
     from sssd.datastore.build import build_datastore
 
-    directory = cache_dir / f"synthetic-v{GENERATOR_VERSION}-{num_tokens}-seed{seed}-{num_shards}shards"
+    directory = cache_dir / (f"synthetic-v{GENERATOR_VERSION}-{num_tokens}-seed{seed}-"
+                             f"{num_shards}shards")
     info_path = directory / "bench-build.json"
     if info_path.is_file():
         info = json.loads(info_path.read_text())
@@ -248,7 +252,8 @@ class Workload:
 
 
 class TimedCore:
-    """Wraps `_core.BatchDrafter` to time the C++ batch call apart from the Python layer around it."""
+    """Wraps `_core.BatchDrafter` to time the C++ batch call apart from the Python layer around
+    it."""
 
     def __init__(self, core) -> None:
         self._core = core
@@ -477,8 +482,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.iters < 1 or args.warmup < 0 or args.shards < 1 or args.retries < 0:
         parser.error("need --iters >= 1, --warmup >= 0, --shards >= 1, --retries >= 0")
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s: %(message)s")
+    configure_logging(logging.INFO)
 
     text = SyntheticText(StreamSpec(), pool_seed=args.seed)
     # Held-out sequences: the same language, other documents, long enough for many steps.

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from sssd.common.config.logs import configure_logging
 from sssd.common.data.corpus import prompt_token_ids
 from sssd.common.model.loader import LoadedModel, load_causal_lm
 from sssd.datastore.manifest import read_manifest
@@ -220,7 +221,8 @@ def specs(modes: list[str], policies: list[str], datastore: Path | None,
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--datastore", type=Path, default=None,
-                        help="datastore for sssd (default: the largest var/self-outputs/datastore-N)")
+                        help="datastore for sssd (default: the largest "
+                        "var/self-outputs/datastore-N)")
     parser.add_argument("--extra-datastore", type=Path, default=None,
                         help="a second datastore, run as one more sssd configuration (measured)")
     parser.add_argument("--set", default="mt_bench", choices=SETS[:2],
@@ -242,8 +244,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="drafter as a gRPC service on 127.0.0.1 (default) or in process")
     parser.add_argument("--png", type=Path, default=Path("bench/e2e.png"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(message)s")
+    configure_logging(logging.INFO)
 
     datastore = args.datastore
     if datastore is None:
@@ -304,7 +305,8 @@ def main(argv: list[str] | None = None) -> None:
                     row["speedup_chunks"] = [round(x, 3) for x in speedups]
                     row["prompts_per_chunk"] = [len(chunk) for chunk in chunks]
                     row["same_as_ar"] = sum(a == b for a, b in zip(run.outputs, baseline.outputs))
-                row.update(prompt_set=args.set, num_prompts=len(prompts), max_tokens=args.max_tokens,
+                row.update(prompt_set=args.set, num_prompts=len(prompts),
+                           max_tokens=args.max_tokens,
                            dtype=args.dtype, drafter=args.drafter)
                 if run.datastore is not None:
                     row.update(summaries[run.datastore], datastore_name=run.datastore.name)

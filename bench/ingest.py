@@ -75,12 +75,12 @@ def seed_datastore(work: Path, tokens: int) -> Path:
 
 
 def measure(size: int, args, redis_url: str, conversations) -> dict:
+    import redis
+
     from sssd.datastore.build import link_datastore
     from sssd.datastore.manifest import read_manifest
     from sssd.datastore.shard import make_stream, write_shard
     from sssd.indexer.indexer import Indexer, IndexerConfig
-
-    import redis
 
     seed = seed_datastore(args.work_dir, size)
     live = args.work_dir / f"live-{size}"

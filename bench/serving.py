@@ -32,10 +32,11 @@ import json
 import logging
 import random
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
+
+from sssd.common.config.logs import configure_logging
 
 logger = logging.getLogger("serving")
 
@@ -181,8 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--png", type=Path, default=Path("bench/serving.png"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s: %(message)s")
+    configure_logging(logging.INFO)
 
     from sssd.client import GenerationClient, RetryPolicy
     from sssd.common.data.corpus import first_turns, read_mt_bench

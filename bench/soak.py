@@ -41,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from chaos import Stack, percentile  # noqa: E402 - the bench directory is not a package
 
+from sssd.common.config.logs import configure_logging
+
 logger = logging.getLogger("soak")
 
 
@@ -120,12 +122,12 @@ def measure_capacity(client, prompts, args) -> float:
 
 
 def run(args) -> list[dict]:
+    from prompt_sets import prompt_texts
+
     from sssd.client import GenerationClient, RetryPolicy
     from sssd.common.data.corpus import prompt_token_ids
     from sssd.common.model.tokenizer import load_tokenizer
     from sssd.drafter.client import RemoteDrafter
-
-    from prompt_sets import prompt_texts
 
     tokenizer = load_tokenizer(None)
     prompts = [prompt_token_ids(tokenizer, text)
@@ -285,8 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.duration_s < 600 and args.duration_s < 2 * args.warmup_s:
         parser.error("--duration-s must be at least twice --warmup-s")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
-                        "%(message)s")
+    configure_logging(logging.INFO)
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # children are spawned, not forked
     for row in run(args):
         if args.out:

@@ -33,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from prompt_sets import prompt_texts  # noqa: E402
 
+from sssd.common.config.logs import configure_logging
+
 logger = logging.getLogger("ssd")
 CONFIGS = ("ar", "sd", "ssd_uniform", "ssd_geometric", "prompt_lookup")
 
@@ -137,7 +139,7 @@ def main() -> None:
                         help="also run ssd_geometric on the first set at b=1 greedy with these B")
     parser.add_argument("--png", default="bench/results/ssd.png")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    configure_logging(logging.INFO)
 
     import torch
 

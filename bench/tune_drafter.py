@@ -22,6 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from draft_quality import references, replay  # noqa: E402
 
+from sssd.common.config.logs import configure_logging
+
 # The values tried for each constant, in the order they are swept.
 GRID = {
     "input_discount": [0.3, 0.45, 0.6, 0.8, 1.0],
@@ -43,11 +45,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--passes", type=int, default=2, help="sweeps over every constant")
     parser.add_argument("--datastore", type=Path, default=None)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    configure_logging(logging.WARNING)
 
     from sssd.cli.datastores import pick_datastore
     from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
-    from sssd.drafter.config import DraftParams, DrafterConfig
+    from sssd.drafter.config import DrafterConfig, DraftParams
     from sssd.drafter.drafter import LocalDrafter
 
     tokenizer = load_tokenizer(None)

@@ -112,7 +112,8 @@ def engine_worker(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     for mode in ("ar", "sssd"):
         config = EngineConfig(mode=mode, max_batch_size=args.batch_size, max_len=1024,
                               dtype="float32", drafter_target=args.drafter,
-                              drafter_timeout_s=5.0, max_budget=args.budget)
+                              drafter_timeout_s=5.0, max_budget=args.budget,
+                              budget_policy="rule")
         engine = build_engine(config, loaded)
         engine.generate(prompts[:1], 4)
         engine.stats = EngineStats()

@@ -1,1 +1,3 @@
-"""sssd-serve: lossless speculative decoding services (SSSD drafter, verifier, speculator, indexer)."""
+"""sssd-serve: lossless speculative decoding as services (drafter, verifier, speculator, indexer).
+
+services/<name>/ is the package sssd.<name>; see docs/architecture.md."""

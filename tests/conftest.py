@@ -150,8 +150,10 @@ def make_engine(loaded, max_batch_size, datastore_dir=None, proposer="inproc", m
     runner = ModelRunner(loaded.model, max_seqs=max_batch_size, max_len=1024, attention=attention)
     drafter = None
     if proposer == "inproc":
-        drafter = LocalDrafter(DrafterConfig(datastore_dir=datastore_dir, vocab_size=loaded.vocab_size,
-                                        tokenizer_fingerprint=loaded.fingerprint, num_threads=1))
+        drafter = LocalDrafter(DrafterConfig(datastore_dir=datastore_dir,
+                                             vocab_size=loaded.vocab_size,
+                                             tokenizer_fingerprint=loaded.fingerprint,
+                                             num_threads=1))
         drafter.start()
     elif proposer is not None:
         drafter = proposer

@@ -1,6 +1,6 @@
-"""The package arrows and interfaces the layout promises (README, "Layout"): what each package
-may import, the one drafting interface, the one registry, the one error table, ports and flags
-defined once."""
+"""The package arrows and interfaces the layout promises (docs/architecture.md): no import
+cycle, what each package may import, the one drafting interface known only by its protocol, the
+one registry, the one error table, ports and flags defined once."""
 
 import argparse
 import ast
@@ -34,6 +34,98 @@ def imported_names(package: Path) -> set[str]:
     return names
 
 
+def module_name(path: Path) -> str:
+    """The import name of a source file: services/<a>/<b>.py is sssd.<a>.<b>."""
+    parts = ["sssd", *path.relative_to(SERVICES).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """sssd module -> the sssd modules it imports, read from the sources (function-level
+    imports included; `from package import module` counts as the module)."""
+    paths = {module_name(path): path for path in SERVICES.rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    module = f"{node.module}.{alias.name}"
+                    targets.add(module if module in paths else node.module)
+        graph[name] = {target for target in targets if target in paths and target != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle, as the modules along it, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_there_is_no_import_cycle():
+    graph = import_graph()
+    assert len(graph) > 100 and "sssd.verifier.engine.engine" in graph  # it read the sources
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+# The proposers behind the protocol; the engine and the serving loop must not name them.
+CONCRETE_PROPOSERS = {"LocalDrafter", "RemoteDrafter", "ReplicatedDrafter", "SourceRouter",
+                      "SpeculatorProposer"}
+PROPOSER_MODULES = ("sssd.drafter", "sssd.speculator.client", "sssd.common.drafting.router")
+
+
+def test_the_engine_and_the_serving_loop_know_proposers_by_their_protocol_only():
+    for package in (SERVICES / "verifier" / "engine", SERVICES / "verifier" / "serving"):
+        imported = {n for n in imported_names(package) if n.startswith(PROPOSER_MODULES)}
+        assert not imported, f"{package} imports {imported}"
+        for path in package.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                        node.func.id in ("isinstance", "getattr", "hasattr"):
+                    named = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+                    strings = {n.value for n in ast.walk(node) if isinstance(n, ast.Constant)}
+                    assert not named & CONCRETE_PROPOSERS, f"{path}:{node.lineno}"
+                    assert not strings & {"hindsight_drafts", "sources", "proposers",
+                                          "summary"}, f"{path}:{node.lineno}"
+
+
+def test_the_speculator_client_loads_no_torch():
+    modules = loaded_modules("import sssd.speculator.client")
+    assert "sssd.speculator.client" in modules and "torch" not in modules
+    assert "sssd.speculator.speculator" not in modules
+
+
+def test_the_indexer_and_the_verifier_share_only_the_conversation_package():
+    graph = import_graph()
+    verifier = {m for m in graph if m.startswith("sssd.verifier")}
+    indexer = {m for m in graph if m.startswith("sssd.indexer")}
+    assert not {t for m in verifier for t in graph[m] if t.startswith("sssd.indexer")}
+    assert not {t for m in indexer for t in graph[m] if t.startswith("sssd.verifier")}
+    # What connects them: the record of a conversation, published by one, indexed by the other.
+    assert "sssd.common.conversations.record" in graph["sssd.indexer.consumer"]
+    assert "sssd.common.conversations.record" in graph["sssd.verifier.serving.publish"]
+
+
 def test_the_engine_loads_neither_grpc_nor_the_cpp_core():
     assert "sssd._core" not in loaded_modules("import sssd.verifier.engine")
     modules = loaded_modules("import sssd.verifier.engine.engine; "
@@ -54,11 +146,6 @@ def test_serving_configuration_loads_no_model_stack():
     modules = loaded_modules("import sssd.verifier.serving.config, sssd.client, "
                              "sssd.common.config.flags")
     assert "torch" not in modules and "transformers" not in modules
-
-
-def test_the_indexer_imports_nothing_from_the_verifier():
-    assert not {name for name in imported_names(SERVICES / "indexer")
-                if name.startswith("sssd.verifier")}
 
 
 def test_lower_packages_do_not_import_higher_ones():

@@ -19,6 +19,9 @@ import statistics
 import sys
 from dataclasses import dataclass
 
+from sssd.client import GenerationClient
+from sssd.common.data.corpus import prompt_token_ids
+
 FIRST_STEPS = 6  # steps shown after the streamed answer
 
 
@@ -52,8 +55,6 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def run_check(target: str, prompt: str, max_tokens: int, rounds: int,
               drafter_target: str | None, model: str | None) -> None:
-    from sssd.client import GenerationClient
-
     print(f"\n>>> {prompt}\n", flush=True)
     with GenerationClient(target) as client:
         first = ask(client, prompt, max_tokens, "auto", echo=True)
@@ -94,7 +95,7 @@ def run_check(target: str, prompt: str, max_tokens: int, rounds: int,
 def exact_check(prompt: str, max_tokens: int, drafter_target: str, model: str | None) -> None:
     """float32 in this process: drafts from the drafter service against none, token for
     token."""
-    from sssd.common.data.corpus import prompt_token_ids
+    # Here only: the rest of `sssd up`'s process never loads torch.
     from sssd.common.model.loader import load_causal_lm
     from sssd.verifier.engine import EngineConfig
     from sssd.verifier.factory import build_engine

@@ -19,6 +19,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from sssd.common.data.corpus import iter_conversation_token_ids, iter_sharegpt
+from sssd.common.model.tokenizer import tokenizer_fingerprint, vocab_size
+from sssd.datastore.build import build_datastore
 from sssd.datastore.manifest import read_manifest
 
 logger = logging.getLogger(__name__)
@@ -46,10 +49,6 @@ def has_shards(directory: Path) -> bool:
 
 def ensure_sharegpt_datastore(root: Path, tokenizer, num_records: int) -> Path:
     """The datastore of ShareGPT records [0, num_records), built on first use."""
-    from sssd.common.data.corpus import iter_conversation_token_ids, iter_sharegpt
-    from sssd.common.model.tokenizer import tokenizer_fingerprint, vocab_size
-    from sssd.datastore.build import build_datastore
-
     fingerprint = tokenizer_fingerprint(tokenizer)
     directory = root / f"sharegpt-{num_records}-{fingerprint[:12]}"
     if has_shards(directory):

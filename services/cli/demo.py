@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from sssd.cli.datastores import DEFAULT_DATA_DIR, default_data_dir, ensure_sharegpt_datastore
+from sssd.common.config.logs import configure_logging
 from sssd.common.data.corpus import first_turns, prompt_token_ids, read_mt_bench
 from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.drafting.proposer import DraftRequest
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.records < 1 or args.prompts < 1 or args.budget < 1 or args.steps < 0:
         parser.error("need --records, --prompts, --budget >= 1 and --steps >= 0")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.INFO)
 
     start = time.perf_counter()
     tokenizer = load_tokenizer(args.model)

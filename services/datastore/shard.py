@@ -236,7 +236,8 @@ def load_shard(
         size = path.stat().st_size
         if size != 4 * expected_lengths[name]:
             raise ShardError(
-                f"{path}: {size} bytes, expected {4 * expected_lengths[name]} (truncated or foreign)"
+                f"{path}: {size} bytes, expected {4 * expected_lengths[name]} (truncated or "
+                "foreign)"
             )
         if verify_checksums:
             digest = file_sha256(path)

@@ -1,6 +1,7 @@
 """`RemoteDrafter`: the drafting interface (`Proposer`, sssd.common.drafting.proposer) over gRPC.
 
-It behaves like the in-process `LocalDrafter`, exceptions included, so a decode worker can use either:
+It behaves like the in-process `LocalDrafter`, exceptions included, so a decode worker can use
+either:
 NOT_FOUND becomes `SequenceNotFound` (with the unknown ids), INVALID_ARGUMENT `ValueError`,
 RESOURCE_EXHAUSTED `CapacityError`. Transport failures become `TimeoutError` (deadline) or
 `ConnectionError` (drafter unreachable); callers then decode that step without drafts.
@@ -16,8 +17,8 @@ import numpy as np
 from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.drafting.proposer import DraftRequest
 from sssd.common.rpc import tls
-from sssd.common.rpc.tls import CLIENT_CHANNEL_OPTIONS
 from sssd.common.rpc.status import unary
+from sssd.common.rpc.tls import CLIENT_CHANNEL_OPTIONS
 from sssd.v1 import drafter_pb2, drafter_pb2_grpc
 
 

@@ -15,23 +15,36 @@ from sssd.common.rpc.tls import add_tls_flags, tls_from_args
 ENV_PREFIX = "SSSD_DRAFTER_"
 
 
+# The defaults live in one place, the C++ core (services/drafter/core/params.h).
+_CORE_DEFAULTS = _core.DrafterParams()
+
+
 @dataclass(frozen=True)
 class DraftParams:
-    """Algorithm constants (ALGORITHM.md); the defaults are the paper's except branch_len and
-    datastore_child_discount, tuned on held-out data."""
+    """Algorithm constants (docs/algorithm.md); the defaults are the C++ core's: the paper's
+    except branch_len and datastore_child_discount, tuned on held-out data."""
 
-    prefix_len: int = option(4, "P: longest suffix of the sequence used as a lookup key")
-    branch_len: int = option(16, "input-trie window and longest datastore continuation, tokens")
-    max_continuations: int = option(100, "datastore samples per prefix length, over all shards")
+    prefix_len: int = option(_CORE_DEFAULTS.prefix_len,
+                             "P: longest suffix of the sequence used as a lookup key")
+    branch_len: int = option(_CORE_DEFAULTS.branch_len,
+                             "input-trie window and longest datastore continuation, tokens")
+    max_continuations: int = option(_CORE_DEFAULTS.max_continuations,
+                                    "datastore samples per prefix length, over all shards")
     min_continuations: int = option(
-        50, "shorten the datastore prefix while fewer continuations were sampled")
-    datastore_discount: float = option(1.0, "first-level discount of datastore candidates")
-    input_discount: float = option(0.6, "first-level discount of input-trie candidates")
-    datastore_child_discount: float = option(0.8, "child discount of datastore candidates")
+        _CORE_DEFAULTS.min_continuations,
+        "shorten the datastore prefix while fewer continuations were sampled")
+    datastore_discount: float = option(_CORE_DEFAULTS.datastore_discount,
+                                       "first-level discount of datastore candidates")
+    input_discount: float = option(_CORE_DEFAULTS.input_discount,
+                                   "first-level discount of input-trie candidates")
+    datastore_child_discount: float = option(_CORE_DEFAULTS.datastore_child_discount,
+                                             "child discount of datastore candidates")
     input_child_discount_base: float = option(
-        0.6, "child discount of input-trie candidates at match length 0")
+        _CORE_DEFAULTS.input_child_discount_base,
+        "child discount of input-trie candidates at match length 0")
     input_child_discount_per_match: float = option(
-        0.1, "added to the input-trie child discount per matched token")
+        _CORE_DEFAULTS.input_child_discount_per_match,
+        "added to the input-trie child discount per matched token")
 
     def __post_init__(self) -> None:
         problem = self.to_core().validate()
@@ -68,7 +81,7 @@ class DrafterConfig:
     model_shard_weight: int = option(
         5, "weight of shards of the served model's own text (live datastore, self-outputs) "
         "against 1 for an offline corpus: their share of the datastore samples and the count "
-        "of each (ALGORITHM.md, Shard weights); 1: the paper's algorithm")
+        "of each (docs/algorithm.md, shard weights); 1: the paper's algorithm")
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(DRAFTER_PORT, "port to bind; 0: the OS picks a free port")
     max_workers: int = option(8, "gRPC server threads")
@@ -108,7 +121,8 @@ class DrafterConfig:
             "suffix-array datastore.",
         )
         add_flags(parser, cls, env_prefix=ENV_PREFIX)
-        add_flags(parser.add_argument_group("algorithm constants (ALGORITHM.md)"), DraftParams,
+        add_flags(parser.add_argument_group("algorithm constants (docs/algorithm.md)"),
+                  DraftParams,
                   env_prefix=ENV_PREFIX)
         add_tls_flags(parser)
         args = parser.parse_args(argv)

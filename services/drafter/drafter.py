@@ -165,7 +165,8 @@ class LocalDrafter:
             budgets[row] = request.budget
             tokens = np.asarray(request.token_ids)
             if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
-                raise ValueError(f"seq_id {request.seq_id!r}: token_ids must be a flat list of ints")
+                raise ValueError(f"seq_id {request.seq_id!r}: token_ids must be a flat list of "
+                                 "ints")
             if request.is_start and tokens.size == 0:
                 raise ValueError(f"seq_id {request.seq_id!r}: is_start needs the full context, got "
                                  "no tokens")

@@ -1,9 +1,10 @@
-"""Plain-Python reference of the SSSD drafter (seeds/000, Appendix A, Algorithms 1-3).
+"""Plain-Python reference of the SSSD drafter ("SSSD: Simply-Scalable Speculative Decoding",
+arXiv 2411.05894, Appendix A, Algorithms 1-3).
 
-This module follows services/drafter/ALGORITHM.md line by line and favours being obviously right
-over being fast: the suffix array is a plain sort, the range lookup a bisect, the queue a heapq.
-Property tests compare the C++ core (`sssd._core`) with it node for node, so every
-floating-point product is written in the order that ALGORITHM.md prescribes.
+This module follows docs/algorithm.md line by line and favours being obviously right over being
+fast: the suffix array is a plain sort, the range lookup a bisect, the queue a heapq. Property
+tests compare the C++ core (`sssd._core`) with it node for node, so every floating-point product
+is written in the order that docs/algorithm.md prescribes.
 """
 
 from __future__ import annotations
@@ -13,24 +14,30 @@ import heapq
 import struct
 from dataclasses import dataclass, field
 
+from sssd.drafter.config import DraftParams as ConfiguredParams
+
 DOCUMENT_SEPARATOR = 0xFFFFFFFF  # ends every document of a shard; sorts above every token
 
+_DEFAULTS = ConfiguredParams()
 Shard = tuple[list[int], list[int]]  # (stream [num_tokens], suffix_array [num_tokens])
 
 
 @dataclass(frozen=True)
 class DraftParams:
-    """The constants of ALGORITHM.md; same fields, defaults and checks as C++ `DrafterParams`."""
+    """The constants of the algorithm; the same fields and checks as C++ `DrafterParams`,
+    written again here, and its defaults (taken from the service's configuration, which takes
+    them from the core: one definition)."""
 
-    prefix_len: int = 4  # P: longest suffix of the sequence used as a lookup key
-    branch_len: int = 16  # input-trie window; longest datastore continuation
-    max_continuations: int = 100  # datastore samples per prefix length, all shards together
-    min_continuations: int = 50  # shorten the datastore prefix while fewer were sampled
-    datastore_discount: float = 1.0  # first-level factor, datastore source
-    input_discount: float = 0.6  # first-level factor, input-trie sources
-    datastore_child_discount: float = 0.8  # factor per level below the first, datastore
-    input_child_discount_base: float = 0.6  # input child discount = base + per_match * m
-    input_child_discount_per_match: float = 0.1
+    prefix_len: int = _DEFAULTS.prefix_len  # P: longest suffix used as a lookup key
+    branch_len: int = _DEFAULTS.branch_len  # input-trie window; longest continuation
+    max_continuations: int = _DEFAULTS.max_continuations  # datastore samples per prefix length
+    min_continuations: int = _DEFAULTS.min_continuations  # shorten the prefix below this
+    datastore_discount: float = _DEFAULTS.datastore_discount  # first level, datastore
+    input_discount: float = _DEFAULTS.input_discount  # first level, input tries
+    datastore_child_discount: float = _DEFAULTS.datastore_child_discount  # deeper, datastore
+    # input child discount = base + per_match * m
+    input_child_discount_base: float = _DEFAULTS.input_child_discount_base
+    input_child_discount_per_match: float = _DEFAULTS.input_child_discount_per_match
 
     def __post_init__(self) -> None:
         if not 1 <= self.prefix_len <= 64:

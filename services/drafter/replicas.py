@@ -28,10 +28,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sssd.common.rpc import tls
 from sssd.common.drafting.batch_split import Split, propose_split, raise_failure
 from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.drafting.proposer import DraftRequest, Proposer, SequenceNotFound
+from sssd.common.rpc import tls
 from sssd.common.rpc.targets import Resolver, StaticResolver, parse_targets, rendezvous_owner
 from sssd.drafter.client import RemoteDrafter
 

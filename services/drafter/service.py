@@ -7,7 +7,6 @@ exceptions into gRPC status codes; all validation and all state live in `LocalDr
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import TypeVar
@@ -17,11 +16,12 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from sssd.common.config.logs import configure_logging
 from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.drafting.proposer import DraftRequest
 from sssd.common.rpc import tls
-from sssd.common.rpc.status import call_or_abort
 from sssd.common.rpc.server import serve_until_signal
+from sssd.common.rpc.status import call_or_abort
 from sssd.common.rpc.targets import address
 from sssd.drafter.config import DrafterConfig
 from sssd.drafter.drafter import LocalDrafter
@@ -49,7 +49,8 @@ def _tree_to_proto(tree: DraftTree) -> drafter_pb2.DraftTree:
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    """Wire <-> `LocalDrafter`. Every failure leaves the drafter's state unchanged (its contract)."""
+    """Wire <-> `LocalDrafter`. Every failure leaves the drafter's state unchanged (its
+    contract)."""
 
     def __init__(self, drafter: LocalDrafter) -> None:
         self._drafter = drafter
@@ -154,10 +155,7 @@ def serve(config: DrafterConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Console script `sssd-drafter`. Log level: SSSD_LOG_LEVEL (default INFO)."""
-    logging.basicConfig(
-        level=os.environ.get("SSSD_LOG_LEVEL", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging("INFO")
     config = DrafterConfig.from_args(argv)
     logger.debug("config: %s", config)
     serve(config)

@@ -33,21 +33,32 @@ from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from tqdm import tqdm
+
+from sssd.common.config.flags import add_flags, from_args
+from sssd.common.config.logs import configure_logging
+from sssd.common.conversations.redis_server import RedisServer, use_password_file
+from sssd.common.data.corpus import conversation_token_ids, sharegpt_messages
+from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
+from sssd.common.rpc import tls
 from sssd.common.rpc.ports import INDEXER_METRICS_PORT, INDEXER_PORT
+from sssd.common.rpc.tls import add_tls_flags
+from sssd.datastore.build import build_datastore
+from sssd.datastore.shard import read_meta
+from sssd.indexer.indexer import Indexer, IndexerConfig
 
 logger = logging.getLogger(__name__)
 
 
 def tokenizer_facts(model: str | None) -> tuple[object, int, str]:
-    from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
-
     tokenizer = load_tokenizer(model)
     return tokenizer, vocab_size(tokenizer), tokenizer_fingerprint(tokenizer)
 
 
 def corpus_documents(path: Path, tokenizer) -> Iterator[list[int]]:
-    from sssd.common.data.corpus import conversation_token_ids, sharegpt_messages
-
     with open(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -70,9 +81,6 @@ def corpus_documents(path: Path, tokenizer) -> Iterator[list[int]]:
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from sssd.datastore.build import build_datastore
 
     if not args.corpus.is_file():
         print(f"sssd-indexer: error: {args.corpus} is not a file", file=sys.stderr)
@@ -95,8 +103,6 @@ def cmd_offline(args: argparse.Namespace) -> int:
 
 class IndexerMetrics:
     def __init__(self, port: int) -> None:
-        from prometheus_client import CollectorRegistry, Gauge, start_http_server
-
         registry = CollectorRegistry()
         gauge = lambda name, text: Gauge(name, text, registry=registry)  # noqa: E731
         self.shards = gauge("sssd_indexer_shards", "Shards in the manifest")
@@ -117,8 +123,6 @@ class IndexerMetrics:
         start_http_server(port, addr="127.0.0.1", registry=registry)
 
     def update(self, indexer) -> None:
-        from sssd.datastore.shard import read_meta
-
         stats = indexer.stats
         manifest = indexer.manifest
         self.shards.set(len(manifest.shards))
@@ -141,13 +145,6 @@ class IndexerMetrics:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import grpc
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-    from sssd.common.rpc import tls
-    from sssd.common.config.flags import from_args
-    from sssd.indexer.indexer import Indexer, IndexerConfig
-    from sssd.common.conversations.redis_server import RedisServer, use_password_file
 
     if args.vocab_size and args.tokenizer_fingerprint:
         vocab_size, fingerprint = args.vocab_size, args.tokenizer_fingerprint
@@ -209,10 +206,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """`sssd-indexer run | offline` and their flags."""
-    from sssd.common.config.flags import add_flags
-    from sssd.common.rpc.tls import add_tls_flags
-    from sssd.indexer.indexer import IndexerConfig
-
     parser = argparse.ArgumentParser(prog="sssd-indexer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -247,8 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
-                        "%(message)s")
+    configure_logging(logging.INFO)
     return {"run": cmd_run, "offline": cmd_offline}[args.command](args)
 
 

@@ -23,8 +23,8 @@ import numpy as np
 from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.drafting.proposer import DraftRequest, Proposer, SequenceNotFound
 from sssd.common.rpc import tls
-from sssd.common.rpc.tls import CLIENT_CHANNEL_OPTIONS
 from sssd.common.rpc.status import unary
+from sssd.common.rpc.tls import CLIENT_CHANNEL_OPTIONS
 from sssd.speculator.protocol import FingerprintMismatch, RoundInput, RoundOutput
 from sssd.v1 import speculator_pb2, speculator_pb2_grpc
 
@@ -40,7 +40,8 @@ class RoundBackend(Protocol):
 
 class RemoteSpeculator:
     """A client of one speculator (`sssd-speculator`) at `target` ("host:port"). Errors map as
-    in `RemoteDrafter` (sssd.common.rpc.status); FAILED_PRECONDITION becomes `FingerprintMismatch`."""
+    in `RemoteDrafter` (sssd.common.rpc.status); FAILED_PRECONDITION becomes
+    `FingerprintMismatch`."""
 
     def __init__(self, target: str, timeout_s: float = 1.0,
                  tls_files: tls.TlsFiles | None = None) -> None:

@@ -14,15 +14,21 @@ from concurrent import futures
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from sssd.common.config.logs import configure_logging
+from sssd.common.model.loader import load_causal_lm
 from sssd.common.rpc import tls
-from sssd.common.rpc.status import call_or_abort
 from sssd.common.rpc.server import serve_until_signal
+from sssd.common.rpc.status import call_or_abort
 from sssd.common.rpc.targets import address
 from sssd.speculator.config import SpeculatorConfig
 from sssd.speculator.protocol import FingerprintMismatch, RoundInput
+from sssd.speculator.runner import DraftRunner
 from sssd.speculator.speculator import Speculator
 from sssd.v1 import speculator_pb2, speculator_pb2_grpc
 
@@ -38,8 +44,6 @@ if TYPE_CHECKING:
 def truncated(model, num_layers: int):  # type: ignore[no-untyped-def]
     """A draft model made of `model`'s first `num_layers` decoder layers and its head, sharing
     their weights (no copy); `model` itself is unchanged."""
-    import torch
-
     base = model.base_model
     if not 1 <= num_layers <= len(base.layers):
         raise ValueError(f"draft_layers must be in [1, {len(base.layers)}], got {num_layers}")
@@ -61,10 +65,6 @@ def truncated(model, num_layers: int):  # type: ignore[no-untyped-def]
 def build_speculator(config: SpeculatorConfig,
                      loaded: LoadedModel | None = None) -> Speculator:
     """Loads the draft model (or takes `loaded`) and builds the core."""
-    import torch
-
-    from sssd.common.model.loader import load_causal_lm
-    from sssd.speculator.runner import DraftRunner
 
     if loaded is None:
         loaded = load_causal_lm(config.model, dtype=config.dtype)
@@ -134,7 +134,6 @@ class SpeculatorCollector:
         self._speculator = speculator
 
     def collect(self):  # type: ignore[no-untyped-def]
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         s = self._speculator
         stats = s.stats
@@ -172,8 +171,6 @@ class SpeculatorCollector:
 
 def start_metrics(speculator: Speculator, port: int) -> None:
     """Serves the speculator's metrics at http://127.0.0.1:port/metrics."""
-    from prometheus_client import CollectorRegistry, start_http_server
-
     registry = CollectorRegistry()
     registry.register(SpeculatorCollector(speculator))
     start_http_server(port, addr="127.0.0.1", registry=registry)
@@ -209,8 +206,6 @@ def create_server(config: SpeculatorConfig, speculator: Speculator
 def serve(config: SpeculatorConfig) -> None:
     """Serves until SIGTERM or SIGINT; then NOT_SERVING, new rounds refused (UNAVAILABLE,
     callers decode without the speculator), in-flight calls drained for config.grace_s."""
-    import torch
-
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     speculator = build_speculator(config)
@@ -232,8 +227,7 @@ def serve(config: SpeculatorConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console script `sssd-speculator`. Log level: SSSD_LOG_LEVEL (default INFO)."""
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-    logging.basicConfig(level=os.environ.get("SSSD_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging("INFO")
     serve(SpeculatorConfig.from_args(argv))
 
 

@@ -7,6 +7,8 @@ import os
 import time
 from pathlib import Path
 
+import torch
+
 from sssd.common.model.loader import LoadedModel, load_causal_lm
 from sssd.verifier.engine.budget_policy import (
     DEFAULT_ACCEPTANCE_PRIOR,
@@ -45,7 +47,6 @@ def make_budget_policy(config: EngineConfig, runner: ModelRunner,
         return FixedBudget(1)
     if config.budget_policy == "rule":
         return RuleBudget(config.knee_intensity, config.max_budget)
-    import torch
 
     setting = {"model": model_name, "dtype": config.dtype, "torch_threads": torch.get_num_threads()}
     prior = DEFAULT_ACCEPTANCE_PRIOR

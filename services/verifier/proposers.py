@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from sssd.common.drafting.proposer import Proposer
-from sssd.common.model.loader import LoadedModel
 from sssd.common.drafting.router import SourceRouter
+from sssd.common.model.loader import LoadedModel
 from sssd.verifier.engine.config import EngineConfig
 
 # (config, model) -> the proposer, or None to decode without speculation.

@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 
 from sssd.common.model.files import COMPLETE_MARKER, is_complete, resolve_model
+from sssd.common.model.loader import load_causal_lm, model_cache_dir
+from sssd.common.model.tokenizer import load_tokenizer, tokenizer_cache_dir
 
 # What a finished directory holds; written last, so a half-copied directory is never taken.
 DONE = "sssd-exported"
@@ -27,9 +29,6 @@ def export_model(into: str | os.PathLike[str], model: str | None = None) -> Path
     """The model directory at `into` (made when missing) for the GGUF `model` (None: the
     default). Raises ValueError for a model that is already a directory, FileNotFoundError for
     a model path that does not exist."""
-    from sssd.common.model.loader import load_causal_lm, model_cache_dir
-    from sssd.common.model.tokenizer import load_tokenizer, tokenizer_cache_dir
-
     into = Path(into)
     if (into / DONE).is_file():
         return into

@@ -36,10 +36,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from transformers import AutoTokenizer
 
+from sssd.common.config.flags import env_values, field_kind, flag_fields, option
 from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.drafting.proposer import DraftRequest, Proposer, SequenceNotFound
-from sssd.common.config.flags import env_values, field_kind, flag_fields, option
+from sssd.common.model.tokenizer import tokenizer_fingerprint
+from sssd.drafter.replicas import connect
 
 logger = logging.getLogger(__name__)
 
@@ -157,8 +160,6 @@ class VllmDrafterProposer:
         self.num_speculative_tokens = int(
             vllm_config.speculative_config.num_speculative_tokens)
         if drafter is None:
-            from sssd.drafter.replicas import connect
-
             drafter = connect(self.settings.drafter, timeout_s=self.settings.timeout_s)
             if self.settings.check_tokenizer:
                 _check_tokenizer(drafter, vllm_config, self.settings.drafter)
@@ -250,9 +251,6 @@ class VllmDrafterProposer:
 
 def _check_tokenizer(drafter: Any, vllm_config: Any, target: str) -> None:
     """Refuses a drafter whose datastore was built with another tokenizer than vLLM's model."""
-    from transformers import AutoTokenizer
-
-    from sssd.common.model.tokenizer import tokenizer_fingerprint
 
     # One replica's GetInfo has the fingerprint; a replica set reports its replicas instead.
     theirs = drafter.info().get("tokenizer_fingerprint", "")

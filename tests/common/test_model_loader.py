@@ -8,10 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sssd.common.model.files import resolve_model
-from sssd.common.model.files import save_atomically
-from sssd.common.model.loader import (LoadedModel, load_causal_lm,
-                                      model_cache_dir)
+from sssd.common.model.files import resolve_model, save_atomically
+from sssd.common.model.loader import LoadedModel, load_causal_lm, model_cache_dir
 from sssd.common.model.tokenizer import tokenizer_cache_dir, tokenizer_fingerprint
 
 

@@ -12,8 +12,8 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sssd.common.rpc import tls
 from sssd.common.drafting.proposer import DraftRequest
+from sssd.common.rpc import tls
 from sssd.common.rpc.tls import TlsFiles
 from sssd.drafter.client import RemoteDrafter
 

@@ -2,9 +2,13 @@
 
 import pytest
 
-from sssd.common.model.tokenizer import (load_tokenizer, tokenizer_cache_dir, tokenizer_fingerprint,
-                                   vocab_size)
 from sssd.common.model.files import resolve_model
+from sssd.common.model.tokenizer import (
+    load_tokenizer,
+    tokenizer_cache_dir,
+    tokenizer_fingerprint,
+    vocab_size,
+)
 
 SAMPLE = "Hello, wörld!  def f(x):\n\treturn x ** 2  # 日本語 🙂"
 

@@ -197,7 +197,7 @@ def test_every_command_and_configuration_is_accepted_by_its_service(render, valu
     frozen config, which validates itself: a misspelled flag, a field the config does not have
     or a value out of range fails here."""
     from sssd.cli.main import build_parser, serve_config
-    from sssd.drafter.config import DraftParams, DrafterConfig
+    from sssd.drafter.config import DrafterConfig, DraftParams
     from sssd.indexer.indexer import IndexerConfig
     from sssd.indexer.service import build_parser as indexer_parser
     from sssd.speculator.config import SpeculatorConfig

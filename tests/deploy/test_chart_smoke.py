@@ -205,7 +205,6 @@ def ray_start_command(cluster: dict, gcs_port: int, metrics_port: int,
 
 def test_what_the_chart_renders_runs_and_answers(render, free_port, tmp_path, ca_factory):
     from sssd.client import GenerationClient, RetryPolicy
-
     from sssd.common.rpc.tls import TlsFiles
 
     cluster = LocalCluster(render(VALUES), free_port, tmp_path)

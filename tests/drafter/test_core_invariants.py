@@ -1,12 +1,16 @@
-"""Hand-computed cases for the C++ drafter core (and the reference), one ALGORITHM.md rule each."""
+"""Hand-computed cases for the C++ drafter core (and the reference), one rule of
+docs/algorithm.md each."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 
 from sssd import _core
 from sssd.drafter import reference
+from sssd.drafter.config import DraftParams
 
 
 def int32(values) -> np.ndarray:
@@ -304,10 +308,18 @@ def test_separator_agrees():
 
 
 def test_default_params_agree():
+    """One definition (the C++ header); the service's configuration and the reference take it
+    over, field for field."""
     core = _core.DrafterParams()
     assert core.validate() == ""
-    for name, field in reference.DraftParams.__dataclass_fields__.items():
-        assert getattr(core, name) == field.default, name
+    configured, ours = DraftParams(), reference.DraftParams()
+    assert [f.name for f in dataclasses.fields(configured)] == \
+        [f.name for f in dataclasses.fields(ours)]
+    for field in dataclasses.fields(configured):
+        assert getattr(core, field.name) == getattr(configured, field.name) \
+            == getattr(ours, field.name), field.name
+    core_fields = {name for name in dir(core) if not name.startswith("_") and name != "validate"}
+    assert core_fields == {f.name for f in dataclasses.fields(configured)}
 
 
 @pytest.mark.parametrize("field", ["datastore_discount", "input_discount",

@@ -19,12 +19,12 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from sssd import _core
 from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.drafting.proposer import CapacityError, DraftRequest, SequenceNotFound
+from sssd.common.rpc.status import parse_unknown_ids
 from sssd.datastore.build import build_datastore
 from sssd.drafter.client import RemoteDrafter
 from sssd.drafter.config import DrafterConfig
 from sssd.drafter.drafter import LocalDrafter
 from sssd.drafter.service import create_server
-from sssd.common.rpc.status import parse_unknown_ids
 from sssd.v1 import drafter_pb2, drafter_pb2_grpc
 
 VOCAB = 100

@@ -11,20 +11,18 @@ import numpy as np
 import pytest
 import redis
 
+from sssd.common.conversations.publisher import ConversationPublisher
+from sssd.common.conversations.record import Conversation
+from sssd.common.conversations.redis_server import RedisServer
 from sssd.common.drafting.proposer import DraftRequest
 from sssd.datastore.build import read_documents
 from sssd.datastore.manifest import read_manifest
+from sssd.datastore.shard import read_meta
 from sssd.drafter.config import DrafterConfig
 from sssd.drafter.drafter import LocalDrafter
-from sssd.common.conversations.record import Conversation
-from sssd.datastore.shard import read_meta
-from sssd.indexer.builder import keep_newest
-from sssd.indexer.compaction import plan_merge, tier
-from sssd.indexer.builder import BUILD_POINTS
-from sssd.indexer.compaction import MERGE_POINTS
+from sssd.indexer.builder import BUILD_POINTS, keep_newest
+from sssd.indexer.compaction import MERGE_POINTS, plan_merge, tier
 from sssd.indexer.indexer import Indexer, IndexerConfig
-from sssd.common.conversations.publisher import ConversationPublisher
-from sssd.common.conversations.redis_server import RedisServer
 
 VOCAB = 500
 FINGERPRINT = "f" * 64

@@ -7,12 +7,12 @@ import time
 import pytest
 
 from sssd.client import GenerationClient, RetryPolicy
+from sssd.common.conversations.publisher import PublishConfig
+from sssd.common.conversations.redis_server import RedisServer
 from sssd.common.data.corpus import prompt_token_ids
 from sssd.common.drafting.proposer import DraftRequest
 from sssd.datastore.build import read_documents
 from sssd.indexer.indexer import Indexer, IndexerConfig
-from sssd.common.conversations.publisher import PublishConfig
-from sssd.common.conversations.redis_server import RedisServer
 from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.serving.frontend import FrontendConfig, start_frontend
 
@@ -34,7 +34,7 @@ def test_api_conversations_become_drafts(tmp_path, target_model_fp32):
     datastore.mkdir()
     stream = "test:live"
     engine = EngineConfig(dtype="float32", mode="sssd", max_batch_size=2, max_len=512,
-                          datastore_dir=str(datastore))
+                          datastore_dir=str(datastore), budget_policy="rule")
     frontend = start_frontend(FrontendConfig(
         engine=engine, port=0, max_requests=2, max_workers=4,
         publish=PublishConfig(redis_server.url, str(tmp_path / "spool"), stream=stream)))
@@ -84,7 +84,8 @@ def test_redis_down_while_requests_run_loses_no_request_and_no_conversation(
         tmp_path, target_model_fp32):
     redis_server = RedisServer(tmp_path / "redis").start()
     stream = "test:outage"
-    engine = EngineConfig(dtype="float32", mode="prompt_lookup", max_batch_size=2, max_len=256)
+    engine = EngineConfig(dtype="float32", mode="prompt_lookup", max_batch_size=2, max_len=256,
+                          budget_policy="rule")
     frontend = start_frontend(FrontendConfig(
         engine=engine, port=0, max_requests=2, max_workers=4,
         publish=PublishConfig(redis_server.url, str(tmp_path / "spool"), stream=stream)))

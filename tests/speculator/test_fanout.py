@@ -3,8 +3,13 @@
 import numpy as np
 import pytest
 
-from sssd.speculator.fanout import (FanoutEstimator, fanout, geometric_weights,
-                                    outcome_probabilities, round_fanout)
+from sssd.speculator.fanout import (
+    FanoutEstimator,
+    fanout,
+    geometric_weights,
+    outcome_probabilities,
+    round_fanout,
+)
 
 
 @pytest.mark.parametrize("a,r,lookahead,budget", [

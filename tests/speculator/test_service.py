@@ -198,8 +198,8 @@ def test_mode_ssd_serves_each_request_from_the_source_it_names(
 def test_prometheus_scrape_has_every_metric(make_speculator, free_port, mt_bench_prompts):
     import urllib.request
 
-    from sssd.speculator.service import start_metrics
     from sssd.speculator.protocol import RoundInput
+    from sssd.speculator.service import start_metrics
 
     speculator = make_speculator(8, lookahead=3, fanout_budget=8)
     try:

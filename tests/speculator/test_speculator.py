@@ -34,7 +34,8 @@ def exact_ssd_run(make_speculator, engine_factory, loaded, mt_bench_prompts, gre
     decoding; returns the speculator's and the engine's statistics."""
     speculator = make_speculator(draft_layers, lookahead=3, fanout_budget=fanout_budget,
                                  critical_batch_size=8)
-    engine, _ = engine_factory(4, proposer=SpeculatorProposer(speculator, fingerprint=loaded.fingerprint),
+    engine, _ = engine_factory(4, proposer=SpeculatorProposer(speculator,
+                                                              fingerprint=loaded.fingerprint),
                                max_budget=4)
     try:
         indices = PROMPTS[:num_prompts]

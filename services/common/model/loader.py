@@ -9,6 +9,10 @@ it holds the converted weights exactly, and casting it to bfloat16 at load gives
 weights to converting the GGUF straight to bfloat16. The cast costs about 0.25 s per bfloat16
 load (0.35 s against 0.1 s from a bfloat16 copy), too little to be worth a second 270 MB cache
 entry and a second conversion.
+
+torch and transformers are imported when a model is loaded, not when this module is: the
+configuration code that names `LoadedModel` or `ALLOWED_DTYPES` (frontends, the Helm chart's
+checks) must not pay for them.
 """
 
 from __future__ import annotations
@@ -21,8 +25,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sssd.common.model.files import (ModelFiles, cache_dir, file_sha256,
-                                     is_complete, resolve_model, save_atomically)
+from sssd.common.model.files import (
+    ModelFiles,
+    cache_dir,
+    file_sha256,
+    is_complete,
+    resolve_model,
+    save_atomically,
+)
 from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 if TYPE_CHECKING:
@@ -75,7 +85,7 @@ def load_causal_lm(model: str | os.PathLike[str] | None = None,
     Raises FileNotFoundError for a path that does not exist, ValueError for a dtype other than
     ALLOWED_DTYPES, a directory without config.json, or a file that is not a GGUF file.
     """
-    import torch
+    import torch  # see the module docstring: importing the loader loads no torch
 
     if dtype not in ALLOWED_DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; allowed: {', '.join(ALLOWED_DTYPES)}")
@@ -119,14 +129,14 @@ def _resolve(model: str | os.PathLike[str] | None) -> ModelFiles:
 
 
 def _from_pretrained(directory: Path, dtype: torch.dtype) -> PreTrainedModel:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # only when a model is loaded
 
     return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa")
 
 
 def _load_gguf(files: ModelFiles, dtype: torch.dtype) -> tuple[PreTrainedModel, bool]:
     """The model from the converted-weights cache, or converted (and cached) when cold."""
-    import torch
+    import torch  # only when a model is loaded
     from transformers import AutoModelForCausalLM, GgufConfig
 
     cached = model_cache_dir(files)

@@ -16,8 +16,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sssd.common.model.files import (ModelFiles, cache_dir, file_sha256, is_complete,
-                                     resolve_model, save_atomically)
+from sssd.common.model.files import (
+    ModelFiles,
+    cache_dir,
+    file_sha256,
+    is_complete,
+    resolve_model,
+    save_atomically,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -39,7 +45,7 @@ def load_tokenizer(model: str | os.PathLike[str] | None = None,
     A GGUF model's converted tokenizer is cached on disk (`use_cache`); a model directory is
     loaded directly, as it is already fast.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # 1 s of imports, only for who loads a tokenizer
 
     files = resolve_model(model)
     start = time.perf_counter()

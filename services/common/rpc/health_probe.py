@@ -18,6 +18,7 @@ import dataclasses
 import sys
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sssd.common.rpc.tls import TlsFiles, channel
 
@@ -25,8 +26,6 @@ from sssd.common.rpc.tls import TlsFiles, channel
 def check(port: int, service: str = "", timeout_s: float = 2.0, server_name: str | None = None,
           host: str = "127.0.0.1") -> str | None:
     """None when the service answers SERVING, else why not (one line)."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     tls = TlsFiles.from_env()
     if server_name:
         tls = dataclasses.replace(tls, server_name=server_name)

@@ -1,3 +1,6 @@
+import errno
+import socket
+
 """Default ports of every service, defined once (CLIs, configuration defaults, the Helm chart).
 
 Every service binds 127.0.0.1 by default; 0 anywhere means "let the OS pick" (tests).
@@ -19,9 +22,6 @@ def busy_ports(host: str, ports: dict[str, int]) -> list[str]:
     a port another process holds, or one port given to two flags. Port 0 (any) is skipped. Run
     before starting anything, so that the cause is named before a dependency (Ray, Redis) dies
     on it with an error of its own."""
-    import errno
-    import socket
-
     problems, owners = [], {}
     for flag, port in ports.items():
         if port == 0:

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from sssd.verifier.engine.budget_rule import speculation_budget
 from sssd.common.drafting.draft_tree import DraftTree
+from sssd.verifier.engine.budget_rule import speculation_budget
 
 if TYPE_CHECKING:
     from sssd.verifier.engine.model_runner import ModelRunner

@@ -51,6 +51,7 @@ def speculation_budget(
         raise ValueError(f"knee_intensity must be > 0, got {knee_intensity}")
     if not 1 <= min_budget <= max_budget:
         raise ValueError(
-            f"need 1 <= min_budget <= max_budget, got min_budget={min_budget}, max_budget={max_budget}"
+            f"need 1 <= min_budget <= max_budget, got min_budget={min_budget}, "
+            f"max_budget={max_budget}"
         )
     return max(min_budget, min(max_budget, int(knee_intensity // batch_size)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from sssd.common.config.flags import option
 from sssd.common.rpc.targets import parse_targets
@@ -14,8 +15,9 @@ MODES = ("ar", "prompt_lookup", "sssd", "ssd")
 BUDGET_POLICIES = ("rule", "measured")
 DTYPES = ("bfloat16", "float32")
 ATTENTIONS = ("sdpa", "eager")
-# Where `sssd up` and `sssd serve` keep the measured policy's profile and, beside it, its
-# acceptance statistics, so that both persist across starts (relative to the working directory).
+# Where the measured policy keeps its profile and, beside it, its acceptance statistics, so that
+# both persist across starts (relative to the working directory of the process that builds the
+# configuration: made absolute there, so that Ray workers elsewhere find the same files).
 SERVING_PROFILE_PATH = "var/profiles/forward.json"
 
 
@@ -38,12 +40,12 @@ class EngineConfig:
                        "with SSSD drafting its misses above the critical batch size",
                        choices=MODES)
     max_batch_size: int = option(8, "running sequences (KV-cache slots)")
-    max_len: int = option(4096, "cache positions per sequence: prompt + output + one draft "
+    max_len: int = option(2048, "cache positions per sequence: prompt + output + one draft "
                           "tree")
     budget_policy: str = option(
-        "rule", "rule: s_q = knee_intensity / b (seeds/000 Section 3.2); measured: maximize "
-        "expected accepted tokens per second from a profile of the forward pass",
-        choices=BUDGET_POLICIES)
+        "measured", "measured: maximize expected accepted tokens per second from a profile of "
+        "the forward pass, learned online; rule: s_q = knee_intensity / b (the SSSD paper, "
+        "Section 3.2)", choices=BUDGET_POLICIES)
     knee_intensity: float = option(
         16.0, "I_knee of the rule, in tokens: where the forward pass stops being flat in "
         "b * s_q (SmolLM2-135M on 2 CPU cores: about 16)")
@@ -61,8 +63,9 @@ class EngineConfig:
     datastore_dir: str | None = option(
         None, "datastore of the in-process drafter (mode sssd)", aliases=("--datastore",))
     profile_path: str | None = option(
-        None, "saved forward-pass profile of the measured policy (made when missing); its "
-        "acceptance statistics are kept beside it and are the next start's prior")
+        SERVING_PROFILE_PATH, "saved forward-pass profile of the measured policy (made when "
+        "missing); its acceptance statistics are kept beside it and are the next start's "
+        "prior; empty: profile at every start, keep nothing")
     reuse_acceptance: bool = option(
         True, "start the measured policy from the acceptance statistics saved beside the "
         "profile (else from the built-in prior)")
@@ -89,3 +92,5 @@ class EngineConfig:
                 raise ValueError(message)
         if self.drafter_target is not None:
             parse_targets(self.drafter_target)  # ValueError naming the malformed part
+        if self.profile_path:
+            object.__setattr__(self, "profile_path", str(Path(self.profile_path).absolute()))

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from sssd.common.drafting.draft_tree import DraftTree
-from sssd.verifier.engine.handoff import PrefilledPrompt
 from sssd.common.model.kv_cache import SlotKVCache
+from sssd.verifier.engine.handoff import PrefilledPrompt
 from sssd.verifier.engine.tree_batch import KV_ALIGN, build_tree_batch, chain_tree
 
 
@@ -25,7 +25,8 @@ class ModelRunner:
         if getattr(config, "_attn_implementation", None) != attention:
             model.set_attn_implementation(attention)
         self.dtype = next(model.parameters()).dtype
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or \
+            config.hidden_size // config.num_attention_heads
         self.cache = SlotKVCache(
             num_layers=config.num_hidden_layers,
             max_seqs=max_seqs,
@@ -35,7 +36,8 @@ class ModelRunner:
             dtype=self.dtype,
         )
         self.max_len = max_len
-        self.kv_align = KV_ALIGN  # 1 reproduces the unaligned key length (bench/batch_invariance.py)
+        # 1 reproduces the unaligned key length (bench/batch_invariance.py)
+        self.kv_align = KV_ALIGN
         self.vocab_size = model.get_output_embeddings().weight.shape[0]  # width of the logits
 
     @torch.inference_mode()

@@ -18,7 +18,6 @@ from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.model.kv_cache import KV_ALIGN
 
 
-
 @dataclass(frozen=True)
 class TreeBatch:
     input_ids: torch.Tensor  # [num_seqs, max_nodes] int64, padded with the root token

@@ -23,6 +23,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from sssd.common.data.corpus import conversation_token_ids
+from sssd.common.model.loader import load_causal_lm
+from sssd.common.model.tokenizer import load_tokenizer
 from sssd.common.rpc import tls
 from sssd.common.rpc.targets import address
 from sssd.v1 import generate_pb2, generate_pb2_grpc
@@ -132,8 +135,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             source=SOURCE_OF_MODE.get(mode, ""))
 
     def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        from sssd.common.data.corpus import conversation_token_ids
-
         return conversation_token_ids(self.tokenizer, messages, add_generation_prompt=True)
 
 
@@ -172,18 +173,17 @@ class Frontend:
     def load(self, loaded=None) -> None:
         """Loads the model and builds the backend (an engine loop here, or the Ray workers),
         then reports SERVING."""
-        from sssd.common.model.loader import load_causal_lm
-
         config = self.servicer.config
         engine_config = config.engine
         if config.ray is not None:
-            from sssd.common.model.tokenizer import load_tokenizer
+            # Imported here: the single-process server never loads Ray.
             from sssd.verifier.serving.ray_backend import RayBackend
 
             self.backend = RayBackend(engine_config, config.ray, config.max_requests,
                                       publish=config.publish).start()
             tokenizer = load_tokenizer(engine_config.model)
         else:
+            # Imported here: with Ray the engine (and torch) live in the workers only.
             from sssd.verifier.serving.assembly import build_engine_loop
 
             loaded = loaded or load_causal_lm(engine_config.model, engine_config.dtype)

@@ -121,7 +121,7 @@ class EngineLoop:
         self.engine.close()
         self.observer.close()
 
-    # --- the loop thread ---------------------------------------------------------------------------
+    # --- the loop thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
         engine = self.engine

@@ -164,7 +164,7 @@ class DecodeMetrics(LoopObserver):
 
 class PrefillMetrics:
     def __init__(self, worker: str) -> None:
-        from ray.util import metrics
+        from ray.util import metrics  # as in DecodeMetrics: inside a Ray worker only
 
         self.prefills = metrics.Counter("sssd_prefills", "Prompts prefilled",
                                         tag_keys=("worker",))

@@ -2,16 +2,16 @@
 
 `ConversationSink` is an engine-loop observer. Each sequence a step finished normally ("stop" or
 "length"; cancelled and failed requests never reach `StepOutput.finished`) is handed, prompt and
-output token ids, to a `ConversationPublisher` (sssd.common.conversations.publisher), which never blocks the
-loop.
+output token ids, to a `ConversationPublisher` (sssd.common.conversations.publisher), which never
+blocks the loop.
 """
 
 from __future__ import annotations
 
 import os
 
-from sssd.common.conversations.record import Conversation
 from sssd.common.conversations.publisher import ConversationPublisher, PublishConfig
+from sssd.common.conversations.record import Conversation
 from sssd.verifier.engine.output import StepOutput
 from sssd.verifier.serving.observers import LoopObserver
 

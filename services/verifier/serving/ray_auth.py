@@ -18,6 +18,9 @@ import os
 import secrets
 import time
 
+import ray
+import ray._raylet as raylet
+
 from sssd.verifier.serving.config import RayConfig
 
 logger = logging.getLogger(__name__)
@@ -56,8 +59,6 @@ def _reload_ray_auth() -> None:
     """Ray reads RAY_AUTH_MODE and the token once, when its core is first used in a process;
     make an already imported Ray see the values just set (the same refresh Ray does when it
     turns token auth on itself)."""
-    import ray._raylet as raylet
-
     raylet.Config.initialize("")
     raylet.AuthenticationTokenLoader.instance().reset_cache()
 
@@ -65,8 +66,6 @@ def _reload_ray_auth() -> None:
 def init_ray(config: RayConfig) -> dict:
     """Starts a local Ray cluster (or joins `config.address`) with the configured auth mode;
     returns where its dashboard and Prometheus endpoint are."""
-    import ray
-
     token_file = configure_auth(config)
     if config.address is not None:
         context = ray.init(address=config.address, namespace=NAMESPACE,
@@ -91,8 +90,6 @@ def init_ray(config: RayConfig) -> dict:
 
 
 def _init_local(config: RayConfig):
-    import ray
-
     return ray.init(
         num_cpus=config.num_cpus or os.cpu_count() or 1,
         namespace=NAMESPACE,

@@ -36,6 +36,9 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+import ray
+from ray.exceptions import ObjectLostError, RayActorError
+
 from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.engine.request import GenerateRequest, RequestLimits, end_reason
 from sssd.verifier.serving.backend import Admission, RequestHandle, StreamEvent, request_totals
@@ -97,8 +100,6 @@ class RayBackend:
 
     def start(self, timeout_s: float = 600.0) -> "RayBackend":
         """Starts or joins Ray, creates the workers and waits until each has loaded the model."""
-        import ray
-
         if not ray.is_initialized():
             self.endpoints = init_ray(self.ray_config)
             self._owns_ray = True
@@ -177,8 +178,6 @@ class RayBackend:
 
     def close(self, timeout: float = 10.0) -> None:
         """Closes the decode workers' loops, ends the workers and a Ray cluster started here."""
-        import ray
-
         self._closed.set()
         with self._changed:
             self._changed.notify_all()
@@ -229,8 +228,6 @@ class RayBackend:
                          daemon=True).start()
 
     def _probe(self, slot: _Slot) -> None:
-        import ray
-
         while not self._closed.is_set():
             try:
                 ray.get(slot.actor.ready.remote(), timeout=30)
@@ -283,9 +280,6 @@ class RayBackend:
                  progress: _Progress) -> None:
         """One prefill + decode of the request, from what the client already has. Raises
         _WorkerLost when a worker dies or its result is lost."""
-        import ray
-        from ray.exceptions import ObjectLostError, RayActorError
-
         request_id = handle.request_id
         if progress.token_ids:
             request = replace(request, resume_ids=tuple(progress.token_ids),

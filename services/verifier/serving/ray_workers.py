@@ -17,11 +17,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 
+from sssd.common.model.loader import load_causal_lm
 from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.engine.handoff import PrefilledPrompt
 from sssd.verifier.engine.request import GenerateRequest, InvalidRequest
 from sssd.verifier.serving.backend import StreamEvent
 from sssd.verifier.serving.errors import ErrorKind, ServingError, StreamError
+from sssd.verifier.serving.metrics import PrefillMetrics
 
 # Cancels remembered for requests whose generate call has not arrived yet.
 MAX_EARLY_CANCELS = 4096
@@ -29,7 +31,7 @@ MAX_EARLY_CANCELS = 4096
 
 def _set_threads(num_threads: int) -> None:
     """Ray sets OMP_NUM_THREADS to an actor's CPU count; the configuration decides instead."""
-    import torch
+    import torch  # the driver imports this module to name the actors; only workers need torch
 
     torch.set_num_threads(num_threads)
 
@@ -38,14 +40,12 @@ class _ModelWorker:
     """What every worker does first: its torch threads, then its own copy of the model."""
 
     def __init__(self, config: EngineConfig, name: str, torch_threads: int):
-        from sssd.common.model.loader import load_causal_lm
-
         _set_threads(torch_threads)
         self.loaded = load_causal_lm(config.model, config.dtype)
         self.name = name
 
     def ready(self) -> dict:
-        import torch
+        import torch  # in the worker (see _set_threads)
 
         return {"name": self.name, "pid": os.getpid(), "vocab_size": self.loaded.vocab_size,
                 "fingerprint": self.loaded.fingerprint, "torch_threads": torch.get_num_threads()}
@@ -56,15 +56,13 @@ class PrefillWorker(_ModelWorker):
 
     def __init__(self, config: EngineConfig, name: str, torch_threads: int = 1,
                  metrics: bool = True) -> None:
-        from sssd.verifier.engine.model_runner import ModelRunner
+        from sssd.verifier.engine.model_runner import ModelRunner  # torch: workers only
 
         super().__init__(config, name, torch_threads)
         self.runner = ModelRunner(self.loaded.model, max_seqs=1, max_len=config.max_len,
                                   attention=config.attention)
         self.metrics = None
         if metrics:
-            from sssd.verifier.serving.metrics import PrefillMetrics
-
             self.metrics = PrefillMetrics(name)
 
     def prefill(self, prompt_ids: tuple[int, ...]) -> PrefilledPrompt:
@@ -79,7 +77,7 @@ class DecodeWorker(_ModelWorker):
 
     def __init__(self, config: EngineConfig, name: str, max_requests: int,
                  torch_threads: int = 1, metrics: bool = True, publish=None) -> None:
-        from sssd.verifier.serving.assembly import build_engine_loop
+        from sssd.verifier.serving.assembly import build_engine_loop  # torch: workers only
 
         super().__init__(config, name, torch_threads)
         # `publish`: completed conversations to the live datastore's stream.

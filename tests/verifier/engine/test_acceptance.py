@@ -1,4 +1,5 @@
-"""Tests of sssd.verifier.engine.acceptance: greedy and lossless sampling verification of draft trees.
+"""Tests of sssd.verifier.engine.acceptance: greedy and lossless sampling verification of draft
+trees.
 
 Greedy verification is checked on hand-built trees and against Hugging Face's greedy `generate`.
 Sampling verification is checked for distribution equality: a tiny randomly initialized Llama
@@ -27,8 +28,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from sssd.speculator.sampling import saguaro_probs
 from sssd.verifier.engine import acceptance
-from sssd.verifier.engine.acceptance import (AcceptResult, TreeIndex, accept_at_positions,
-                                             accept_greedy, accept_sampling)
+from sssd.verifier.engine.acceptance import (
+    AcceptResult,
+    TreeIndex,
+    accept_at_positions,
+    accept_greedy,
+    accept_sampling,
+)
 from sssd.verifier.engine.request import SamplingParams
 from sssd.verifier.engine.sampling import sample_tokens, target_probs
 

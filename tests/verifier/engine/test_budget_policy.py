@@ -9,7 +9,6 @@ from sssd.verifier.engine.budget_policy import (
     ForwardProfile,
     MeasuredBudget,
     RuleBudget,
-    load_acceptance,
 )
 
 

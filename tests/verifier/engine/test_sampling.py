@@ -1,4 +1,5 @@
-"""Tests of sssd.verifier.engine.sampling: the target distribution (temperature, top-k, top-p), sampling.
+"""Tests of sssd.verifier.engine.sampling: the target distribution (temperature, top-k, top-p),
+sampling.
 
 Expected distributions are computed by hand from logits = log(probabilities), so that softmax
 returns the probabilities themselves; values stay away from the top-p boundary except where a
@@ -14,8 +15,12 @@ import pytest
 import torch
 
 from sssd.verifier.engine.request import SamplingParams
-from sssd.verifier.engine.sampling import (position_uniforms, sample_tokens,
-                                           sample_with_uniforms, target_probs)
+from sssd.verifier.engine.sampling import (
+    position_uniforms,
+    sample_tokens,
+    sample_with_uniforms,
+    target_probs,
+)
 
 
 def logits_of(*probs: float) -> torch.Tensor:

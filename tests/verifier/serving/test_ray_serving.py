@@ -77,7 +77,7 @@ def stack(drafter_service, free_port, redis_server, tmp_path_factory):
                             stream="test:ray")
     engine = EngineConfig(dtype="float32", mode="sssd", max_batch_size=4, max_len=1024,
                           drafter_target=f"127.0.0.1:{drafter_service.config.port}",
-                          drafter_timeout_s=1.0)
+                          drafter_timeout_s=1.0, budget_policy="rule")
     ray_config = RayConfig(num_prefill_workers=1, num_decode_workers=2, auth="token",
                            dashboard_port=0, metrics_port=metrics_port, num_cpus=2,
                            cpus_per_worker=0.5, object_store_bytes=256 << 20,
