@@ -60,15 +60,6 @@ def drafter_service(target_model_fp32, warm_datastore, free_port):
 
 
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    from sssd.common.conversations.redis_server import RedisServer
-
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def stack(drafter_service, free_port, redis_server, tmp_path_factory):
     from sssd.common.conversations.publisher import PublishConfig
 

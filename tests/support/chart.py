@@ -1,4 +1,5 @@
-"""The Helm chart rendered offline (helm-python-sdk), shared by the chart's tests."""
+"""The Helm chart rendered offline (helm-python-sdk), for the chart's tests and the smoke test
+that runs what it renders."""
 
 from pathlib import Path
 

@@ -1,7 +1,5 @@
-"""Tests of sssd.verifier.engine.acceptance: greedy and lossless sampling verification of draft
-trees.
+"""Tests of sssd.verifier.engine.acceptance, sampling: lossless verification of draft trees.
 
-Greedy verification is checked on hand-built trees and against Hugging Face's greedy `generate`.
 Sampling verification is checked for distribution equality: a tiny randomly initialized Llama
 gives realistic target distributions at every node of a fixed draft tree, `accept_sampling` runs
 NUM_TRIALS times, and a chi-square test compares, at every node the walk reached often enough,
@@ -24,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from sssd.speculator.sampling import saguaro_probs
 from sssd.verifier.engine import acceptance
@@ -38,12 +36,18 @@ from sssd.verifier.engine.acceptance import (
 from sssd.verifier.engine.request import SamplingParams
 from sssd.verifier.engine.sampling import sample_tokens, target_probs
 
+from support.tiny_llama import (
+    CONTEXT,
+    VOCAB_SIZE,
+    next_token_logits,
+    tiny_llama,
+    tree_logits,
+)
+
 ALPHA = 1e-3  # family-wise significance level: split over the chi-square tests of one run
 NUM_TRIALS = 20000  # verification steps per statistical test
 MIN_VISITS = 400  # a node is tested when the walk reached it at least this often
 MIN_EXPECTED = 5.0  # chi-square bins with a smaller expected count are pooled
-VOCAB_SIZE = 12
-CONTEXT = [3, 8, 1, 5]  # the root of every tree is the last context token
 # The draft model is the target with DRAFT_NOISE x std x N(0, 1) added to every weight; the tiny
 # random Llama is chaotic enough that this alone makes q differ from p by a total variation of
 # about 0.35-0.5 at the root, with about half the drafts accepted.
@@ -63,9 +67,6 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(num_threads)
-
-
-# --- chi-square test -----------------------------------------------------------------------------
 
 
 def chi2_sf(statistic: float, df: int) -> float:
@@ -148,26 +149,6 @@ def test_chi_square_accepts_the_true_distribution_and_rejects_another():
     assert not chi_square(counts + np.array([0, 0, 0, 0, 1]), probs.numpy(), ALPHA).passed
 
 
-# --- tiny target and draft models ----------------------------------------------------------------
-
-
-def tiny_llama(seed: int) -> LlamaForCausalLM:
-    """A randomly initialized 2-layer Llama; the large init spreads its distributions out."""
-    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=32, initializer_range=0.5,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(config).eval()
-
-
-@torch.inference_mode()
-def next_token_logits(model: LlamaForCausalLM, sequences: list[list[int]]) -> torch.Tensor:
-    """Logits [num_seqs, vocab_size] after each of `sequences` (all of one length)."""
-    return model(input_ids=torch.tensor(sequences)).logits[:, -1].float()
-
-
 @pytest.fixture(scope="module")
 def target_model() -> LlamaForCausalLM:
     return tiny_llama(seed=0)
@@ -183,21 +164,6 @@ def draft_model(target_model) -> LlamaForCausalLM:
             parameter.add_(DRAFT_NOISE * parameter.std() * torch.randn(
                 parameter.shape, generator=generator))
     return model
-
-
-def path_tokens(tree: TreeIndex, node: int) -> list[int]:
-    """The draft tokens from the root's child down to `node` (empty for the root)."""
-    tokens = []
-    while node > 0:
-        tokens.append(tree.token_ids[node])
-        node = tree.parents[node]
-    return tokens[::-1]
-
-
-def tree_logits(model: LlamaForCausalLM, tree: TreeIndex) -> torch.Tensor:
-    """Target logits [num_nodes, vocab_size] at every node: the model run on context + path."""
-    return torch.cat([next_token_logits(model, [CONTEXT + path_tokens(tree, node)])
-                      for node in range(tree.num_nodes)])
 
 
 @pytest.fixture(scope="module")
@@ -221,90 +187,6 @@ def draft_tree(target_model) -> TreeIndex:
                  after_a1_b1[0]]
     parents = [-1, 0, 0, 0, 1, 1, 3, 4]
     return TreeIndex(np.array(token_ids, dtype=np.int32), np.array(parents, dtype=np.int32))
-
-
-# --- greedy --------------------------------------------------------------------------------------
-
-
-def test_greedy_chain_fully_accepted_gets_bonus_after_leaf():
-    result = accept_greedy(np.array([9, 1, 2, 3]), np.array([-1, 0, 1, 2]),
-                           torch.tensor([1, 2, 3, 7]))
-    assert result == AcceptResult([1, 2, 3], [1, 2, 3], 7)
-    assert result.emitted_tokens == [1, 2, 3, 7] and result.num_accepted == 3
-
-
-def test_greedy_divergence_at_first_level_accepts_nothing():
-    result = accept_greedy(np.array([9, 1, 2, 3]), np.array([-1, 0, 0, 1]),
-                           torch.tensor([5, 3, 0, 0]))
-    assert result == AcceptResult([], [], 5)
-    assert result.emitted_tokens == [5]
-
-
-def test_greedy_second_child_matches():
-    result = accept_greedy(np.array([9, 4, 6, 8]), np.array([-1, 0, 0, 2]),
-                           torch.tensor([6, 0, 1, 0]))
-    assert result == AcceptResult([2], [6], 1)
-
-
-def test_greedy_deep_tree():
-    #            0:(9)
-    #      1:(4)        2:(6)
-    #   3:(1) 4:(2)      5:(7)
-    #   6:(3) 7:(5) 8:(1)
-    #         9:(8)
-    token_ids = np.array([9, 4, 6, 1, 2, 7, 3, 5, 1, 8])
-    parents = np.array([-1, 0, 0, 1, 1, 2, 3, 4, 4, 7])
-    # Root wants 4, node 1 wants 2 (its second child), node 4 wants 5, node 7 wants 8 (a leaf),
-    # after which the target says 11.
-    argmax = torch.tensor([4, 2, 0, 0, 5, 0, 0, 8, 0, 11])
-    assert accept_greedy(token_ids, parents, argmax) == AcceptResult([1, 4, 7, 9], [4, 2, 5, 8], 11)
-    # Node 4 wanting 1 takes node 8, a leaf: bonus from node 8.
-    argmax[4], argmax[8] = 1, 6
-    assert accept_greedy(token_ids, parents, argmax) == AcceptResult([1, 4, 8], [4, 2, 1], 6)
-
-
-def test_greedy_root_only_and_repeated_sibling_tokens():
-    root_only = accept_greedy(np.array([9]), np.array([-1]), torch.tensor([3]))
-    assert root_only == AcceptResult([], [], 3)
-    # Two siblings with token 4: the first in tree order is taken.
-    result = accept_greedy(np.array([9, 4, 4, 1]), np.array([-1, 0, 0, 2]),
-                           np.array([4, 0, 1, 0]))
-    assert result == AcceptResult([1], [4], 0)
-
-
-def test_greedy_equals_plain_greedy_generate(target_model):
-    generated = target_model.generate(torch.tensor([CONTEXT]), do_sample=False,
-                                      max_new_tokens=4, min_new_tokens=4)[0, len(CONTEXT):]
-    g1, g2, g3, g4 = generated.tolist()
-    other = [t for t in range(VOCAB_SIZE) if t not in (g1, g2, g3)]
-    trees = {
-        # Stops at g2's wrong child: emits g1, g2 and the target's g3.
-        3: ([CONTEXT[-1], other[0], g1, g2, other[1], other[2]], [-1, 0, 0, 2, 2, 3]),
-        # The whole greedy chain is drafted: emits g1, g2, g3 and the bonus g4.
-        4: ([CONTEXT[-1], g1, other[0], g2, g3], [-1, 0, 1, 1, 3]),
-    }
-    for num_emitted, (token_ids, parents) in trees.items():
-        tree = TreeIndex(np.array(token_ids), np.array(parents))
-        argmax = tree_logits(target_model, tree).argmax(dim=-1)  # [num_nodes]
-        result = accept_greedy(np.array(token_ids), np.array(parents), argmax)
-        assert result.emitted_tokens == generated[:num_emitted].tolist()
-
-
-@pytest.mark.parametrize(
-    ("token_ids", "parents", "message"),
-    [
-        ([1, 2], [0, 0], "root"),
-        ([1, 2, 3], [-1, 2, 0], "parents before children"),
-        ([1, 2, 3], [-1, 0], "same non-zero length"),
-        ([], [], "same non-zero length"),
-    ],
-)
-def test_malformed_trees_raise(token_ids, parents, message):
-    with pytest.raises(ValueError, match=message):
-        accept_greedy(np.array(token_ids), np.array(parents), np.zeros(len(token_ids)))
-
-
-# --- sampling: unit tests ------------------------------------------------------------------------
 
 
 def random_tree(rng: random.Random, num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -391,9 +273,6 @@ def test_draft_probs_need_a_chain_and_matching_shapes():
                         draft_probs=probs[:2])
     with pytest.raises(ValueError, match="num_nodes=3"):
         accept_sampling(np.array([3, 1, 2]), np.array([-1, 0, 1]), probs[:2], generator)
-
-
-# --- sampling: distribution equality -------------------------------------------------------------
 
 
 def count_next_tokens(results: list[AcceptResult], key: Callable[[AcceptResult, int], object]
@@ -497,8 +376,6 @@ def test_wrong_acceptance_rule_fails_the_same_test(monkeypatch, target_model, dr
     tests = tree_chi_squares(draft_tree, probs, seed=1)
     assert not tests[0].passed, describe(tests)
 
-
-# --- sampling with a draft model's distribution (speculative sampling) ---------------------------
 
 CHAIN_LENGTH = 3
 

