@@ -39,7 +39,7 @@ class CMakeBuild(build_ext):
 setup(
     packages=["sssd", *(f"sssd.{name}" for name in find_packages("services"))],
     package_dir={"sssd": "services"},
-    package_data={"sssd.v1": ["*.pyi"]},
+    package_data={"sssd.v1": ["*.pyi"], "sssd.common.data": ["*.jsonl"]},
     ext_modules=[Extension("sssd._core", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
 )

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_DATA_DIR = "var/demo-datastore"
 SELF_OUTPUTS_DIR = Path("var/self-outputs")
 DEFAULT_SHAREGPT_RECORDS = 12_000
-# Below this many conversations a self-output datastore loses to ShareGPT (issue 14's peer
+# Below this many conversations a self-output datastore loses to ShareGPT (the vLLM peer
 # bench: 56 self-output conversations drafted 1.25 tokens per step, ShareGPT 1.46).
 MIN_SELF_OUTPUT_CONVERSATIONS = 1_000
 

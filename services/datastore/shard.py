@@ -1,4 +1,4 @@
-"""Datastore shards on disk: build, write, verify and memory-map (DESIGN.md section 4).
+"""Datastore shards on disk: build, write, verify and memory-map (docs/algorithm.md).
 
 A shard is a directory that is written once and never modified:
 
@@ -7,7 +7,7 @@ A shard is a directory that is written once and never modified:
     buckets.u32  first-token index: vocab_size + 2 row offsets into the suffix array (uint32 LE)
     meta.json    counts, vocabulary size, tokenizer fingerprint, sha256 of each file, the range
                  of source entries it holds, creation time, origin (an offline corpus, or the
-                 served model's own text, which the drafter weights higher: ALGORITHM.md)
+                 served model's own text, which the drafter weights higher: docs/algorithm.md)
 
 Loading memory-maps the three arrays read-only: nothing is copied to the heap, and several drafter
 processes share the page cache. A shard is written into a temporary directory and renamed into
@@ -74,7 +74,7 @@ class LoadedShard:
     bucket_starts: np.ndarray  # [vocab_size + 2] uint32, memory-mapped
 
     def core_view(self, weight: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """What `_core.Datastore` takes for this shard, with its weight (ALGORITHM.md)."""
+        """What `_core.Datastore` takes for this shard, with its weight (docs/algorithm.md)."""
         return self.stream, self.suffix_array, self.bucket_starts, weight
 
 

@@ -196,9 +196,10 @@ def find_range(stream: list[int], sa: list[int], query: list[int]) -> tuple[int,
 
 
 def apportion(total: int, sizes: list[int]) -> list[int]:
-    """Largest-remainder split of `total` over shards in proportion to `sizes` (ALGORITHM.md).
+    """Largest-remainder split of `total` over shards in proportion to `sizes` (docs/algorithm.md).
 
-    ALGORITHM.md leaves N = 0 (all shards empty) open; like the C++ core, every quota is then 0.
+    docs/algorithm.md leaves N = 0 (all shards empty) open; like the C++ core, every quota is
+    then 0.
     """
     num_tokens = sum(sizes)
     if num_tokens <= 0 or total <= 0:
@@ -225,7 +226,7 @@ def collect(sequence: list[int], shards: list[Shard], params: DraftParams,
             weights: list[int] | None = None) -> CountNode:
     """Algorithm 2: the weighted tree of sampled continuations; its root is sequence[-1].
 
-    `weights` (one integer >= 1 per shard, default 1): see "Shard weights" in ALGORITHM.md.
+    `weights` (one integer >= 1 per shard, default 1): see "Shard weights" in docs/algorithm.md.
     """
     weights = weights or [1] * len(shards)
     if len(weights) != len(shards) or not all(1 <= w <= 1000 for w in weights):

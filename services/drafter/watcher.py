@@ -45,7 +45,7 @@ def load_datastore(
 
     Shards are immutable, so those already mapped (`reuse`, by name) are not verified again.
     Shards of the served model's own text (origin "model") get `model_shard_weight`, the
-    others 1 (ALGORITHM.md, "Shard weights"); weights are relative, so a datastore of model
+    others 1 (docs/algorithm.md, "Shard weights"); weights are relative, so a datastore of model
     shards only gives them all 1.
     """
     reuse = reuse or {}

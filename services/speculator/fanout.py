@@ -1,4 +1,4 @@
-"""How many bonus tokens to predict after each verification outcome (DESIGN.md section 7).
+"""How many bonus tokens to predict after each verification outcome.
 
 A round sends the drafts s_1..s_K. The verifier accepts k of them (0 <= k <= K) and adds one
 bonus token, so the outcome is (k, bonus). The speculator predicts, for each k, F_k candidate

@@ -1,4 +1,4 @@
-"""Saguaro sampling (DESIGN.md section 7): the draft distribution the speculator samples from.
+"""Saguaro sampling (docs/services/speculator.md): the draft distribution the speculator samples.
 
 With S the top-F tokens of the draft distribution q, drafts are sampled from
 q'(v) = C q(v) / Z for v in S and q(v) / Z otherwise, Z = 1 - (1 - C) sum_{v in S} q(v). Making

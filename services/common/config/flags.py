@@ -1,4 +1,4 @@
-"""Command-line flags derived from configuration dataclasses (STYLE.md rule 2).
+"""Command-line flags derived from configuration dataclasses.
 
 A config field declared with `option(default, help)` becomes the flag `--field-name`; its type
 annotation gives the parser (int, float, str; bool becomes --flag / --no-flag), and `choices`,

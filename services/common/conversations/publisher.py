@@ -43,7 +43,7 @@ return false
 
 @dataclass(frozen=True)
 class PublishConfig:
-    """Where decode workers publish completed conversations (DESIGN.md section 8)."""
+    """Where decode workers publish completed conversations (docs/services/indexer.md)."""
 
     redis_url: str
     spool_dir: str  # per worker: a subdirectory named after the worker is used

@@ -1,4 +1,4 @@
-"""Completed conversations as Redis stream entries, and their validation (DESIGN.md section 8).
+"""Completed conversations as Redis stream entries, and their validation.
 
 An entry's fields:
     prompt         prompt token ids, packed little-endian uint32

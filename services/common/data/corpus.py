@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Places searched for MT-Bench when no path is given, in order, relative to the working directory
-# (the repository root): a local copy, then the development data beside the checkout.
-_MT_BENCH_CANDIDATES = ("data/mt_bench.jsonl", "../shared/data/mt_bench.jsonl")
+# MT-Bench's 80 two-turn questions ("Judging LLM-as-a-Judge with MT-Bench and Chatbot Arena",
+# arXiv 2306.05685; the question file of lm-sys/FastChat, Apache-2.0), shipped with the package.
+MT_BENCH_PATH = Path(__file__).with_name("mt_bench.jsonl")
 
 # ShareGPT speaker names -> chat-template roles.
 _SHAREGPT_ROLES = {
@@ -34,15 +34,12 @@ _SHAREGPT_ROLES = {
 # --- MT-Bench ------------------------------------------------------------------------------------
 
 def default_mt_bench_path() -> Path:
-    """`$SSSD_MT_BENCH`, else `data/mt_bench.jsonl` or `../shared/data/mt_bench.jsonl` relative to
-    the working directory."""
-    candidates = [os.environ["SSSD_MT_BENCH"]] if os.environ.get("SSSD_MT_BENCH") else []
-    candidates += _MT_BENCH_CANDIDATES
-    for candidate in candidates:
-        if Path(candidate).is_file():
-            return Path(candidate)
-    raise FileNotFoundError(f"mt_bench.jsonl not found (looked at {', '.join(candidates)}); "
-                            "set SSSD_MT_BENCH or pass a path")
+    """`$SSSD_MT_BENCH` when set (another copy of the questions), else the packaged file."""
+    path = Path(os.environ.get("SSSD_MT_BENCH") or MT_BENCH_PATH)
+    if not path.is_file():
+        raise FileNotFoundError(f"MT-Bench questions not found at {path}; set SSSD_MT_BENCH to "
+                                "a JSONL file of them or pass a path")
+    return path
 
 
 def read_mt_bench(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:

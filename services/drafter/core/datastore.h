@@ -1,4 +1,4 @@
-// Suffix-array datastore and candidate retrieval (seeds/000, Appendix A.2, Algorithm 2).
+// Suffix-array datastore and candidate retrieval ("SSSD: Simply-Scalable Speculative Decoding", arXiv 2411.05894, Appendix A.2, Algorithm 2).
 // Shards are views over memory owned elsewhere (memory-mapped files); nothing is copied.
 #pragma once
 
@@ -23,7 +23,7 @@ struct ShardView {
   // bucket_starts[vocab_size + 1] == num_tokens.
   std::span<const uint32_t> bucket_starts;
   // Every continuation sampled from this shard counts `weight` times, and the shard's share of
-  // max_continuations is computed from weight * its length (ALGORITHM.md, "Shard weights"):
+  // max_continuations is computed from weight * its length (docs/algorithm.md, "Shard weights"):
   // 1 for an offline corpus, more for the served model's own text.
   int32_t weight = 1;
 };
@@ -41,7 +41,7 @@ class Datastore {
  public:
   Datastore(std::vector<ShardView> shards, uint32_t vocab_size, int32_t max_continuations);
 
-  // Algorithm 2: the weighted tree of continuations of the sequence's prefix (ALGORITHM.md).
+  // Algorithm 2: the weighted tree of continuations of the sequence's prefix (docs/algorithm.md).
   // `tree` is reset and reused so that callers can keep its memory across calls.
   void collect(std::span<const int32_t> sequence, const DrafterParams& params,
                CountTree& tree) const;
@@ -65,7 +65,7 @@ class Datastore {
   std::vector<int32_t> quotas_;  // continuations per shard for max_continuations
 };
 
-// Largest-remainder split of `total` over shards in proportion to `sizes` (ALGORITHM.md).
+// Largest-remainder split of `total` over shards in proportion to `sizes` (docs/algorithm.md).
 std::vector<int32_t> apportion(int32_t total, const std::vector<int64_t>& sizes);
 
 }  // namespace sssd

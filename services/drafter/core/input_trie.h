@@ -1,4 +1,4 @@
-// Per-sequence trie over prompt + self-output (seeds/000, Appendix A.1, Algorithm 1).
+// Per-sequence trie over prompt + self-output (the SSSD paper, arXiv 2411.05894, Appendix A.1, Algorithm 1).
 #pragma once
 
 #include <cstdint>

@@ -14,7 +14,7 @@ struct EntryLess {
   }
 };
 
-// The count that a node's children's probabilities divide by (ALGORITHM.md, Merge).
+// The count that a node's children's probabilities divide by (docs/algorithm.md, Merge).
 double denominator(const MergeSource& source, int32_t node, const std::vector<int32_t>& children) {
   if (!source.over_children) return static_cast<double>(source.tree->node(node).count);
   int64_t total = 0;

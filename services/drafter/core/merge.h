@@ -1,4 +1,4 @@
-// Merging candidate trees from several sources into one draft tree (seeds/000, Algorithm 3).
+// Merging candidate trees from several sources into one draft tree (the SSSD paper, arXiv 2411.05894, Algorithm 3).
 #pragma once
 
 #include <cstdint>
@@ -38,11 +38,11 @@ struct MergeScratch {
   std::vector<int32_t> children;  // sorted children of the node being expanded
 };
 
-// Algorithm 3 with the tie-breaking of ALGORITHM.md. `dec_len` counts the root.
+// Algorithm 3 with the tie-breaking of docs/algorithm.md. `dec_len` counts the root.
 void merge_sources(std::span<const MergeSource> sources, int32_t root_token, int32_t dec_len,
                    MergeScratch& scratch, DraftTree& out);
 
-// The sources of one sequence in ALGORITHM.md order: the datastore tree (if it has children),
+// The sources of one sequence in docs/algorithm.md order: the datastore tree (if it has children),
 // then the input matches, longest first.
 std::vector<MergeSource> make_sources(const CountTree* datastore_tree, const InputTrie& trie,
                                       const std::vector<InputMatch>& matches,

@@ -1,4 +1,4 @@
-"""The acceptance step of tree verification (DESIGN.md section 5): pure functions on tensors.
+"""The acceptance step of tree verification: pure functions on tensors.
 
 After the forward pass over a draft tree, the target's distribution is known at every node.
 Walking from the root, each step emits:

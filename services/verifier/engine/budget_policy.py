@@ -1,6 +1,7 @@
-"""Choosing the speculation budget s_q for the current batch size (DESIGN.md section 6).
+"""Choosing the speculation budget s_q for the current batch size (docs/architecture.md).
 
-- `RuleBudget`: the paper's rule, s_q = I_knee / b, capped (seeds/000 Section 3.2).
+- `RuleBudget`: the paper's rule, s_q = I_knee / b, capped ("SSSD: Simply-Scalable Speculative
+  Decoding", arXiv 2411.05894, Section 3.2).
 - `MeasuredBudget`: profiles the forward-pass time t(b, s_q) of the actual model on the actual
   device, tracks the accepted tokens per step for each budget online, and picks the s_q that
   maximizes E[emitted tokens | s_q] / t(b, s_q).
@@ -160,7 +161,7 @@ class MeasuredBudget:
     """argmax over s_q of E[emitted tokens | s_q] / t(b, s_q), E learned online.
 
     E[emitted | s_q] = 1 + E[accepted | s_q]. One verified tree of budget B also tells what every
-    smaller budget s would have accepted: the drafter inserts nodes best-first (ALGORITHM.md,
+    smaller budget s would have accepted: the drafter inserts nodes best-first (docs/algorithm.md,
     "Output"), so the tree of budget s is exactly the first s nodes of the tree of budget B, and
     the accepted path cut at its first node with index >= s is what that tree would have kept
     (node indices grow along a path, parents before children). So every step updates the

@@ -1,4 +1,5 @@
-"""Speculation budget from the batch size (seeds/000, Section 3.2 and Appendix B).
+"""Speculation budget from the batch size (the SSSD paper, arXiv 2411.05894, Section 3.2 and
+Appendix B).
 
 Every linear layer sees `b * s_q` rows; the forward pass costs about the same as plain decoding
 until `b * s_q` reaches the knee of the roofline, `I_knee = peak FLOP/s / memory bandwidth`. So

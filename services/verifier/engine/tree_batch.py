@@ -1,6 +1,6 @@
 """Everything the forward pass derives from draft trees: inputs, tree positions, attention mask.
 
-The one place where `parents` becomes a mask (STYLE.md rule 4). Row i of a step holds the draft
+The one place where `parents` becomes a mask. Row i of a step holds the draft
 tree of one sequence whose first `cache_lens[i]` tokens are already in the KV cache; the tree's
 node j goes to cache position `cache_lens[i] + j` and has position id `cache_lens[i] + depth(j)`,
 and attends to the cached prefix, its ancestors and itself (SpecInfer-style tree attention).

@@ -1,4 +1,4 @@
-"""Serving metrics through `ray.util.metrics` (DESIGN.md section 9).
+"""Serving metrics through `ray.util.metrics` (docs/operations.md, "Metrics").
 
 Ray's per-node metrics agent exports them on its Prometheus endpoint (the `metrics_port` of the
 local cluster) and the Ray dashboard charts them; every name starts with `sssd_` (Prometheus

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation on Ray (DESIGN.md sections 3 and 9).
+"""Prefill/decode disaggregation on Ray (docs/services/verifier.md).
 
     frontend (gRPC, this process)
       |  1. prefill.prefill(prompt_ids)  -> ObjectRef[PrefilledPrompt]   (prefill worker)

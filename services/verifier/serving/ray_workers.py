@@ -1,4 +1,4 @@
-"""The verifier's Ray actors: prefill workers and decode workers (DESIGN.md sections 3 and 9).
+"""The verifier's Ray actors: prefill workers and decode workers (docs/services/verifier.md).
 
 A prefill worker runs a prompt through the model in its own one-slot KV cache and returns the
 prompt's keys and values as numpy arrays (engine/handoff.py), which Ray puts in its object
