@@ -2,7 +2,7 @@
 them not change costs.
 
 Three verification set-ups, side by side in one process on the same bf16 weights:
-  sdpa_unaligned  PyTorch's fused SDPA attention, key length = the longest row (before issue 11)
+  sdpa_unaligned  PyTorch's fused SDPA attention, key length = the longest row (the old default)
   sdpa            SDPA, key length rounded up to 128 (tree_batch.KV_ALIGN; the default)
   eager           eager attention, key length rounded up to 128 (`--attention eager`)
 For each: plain greedy decoding one prompt at a time (the reference), plain greedy at batch 4,

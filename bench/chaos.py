@@ -1,4 +1,4 @@
-"""Chaos: the local stack under steady open-loop load while its processes are SIGKILLed (issue 15).
+"""Chaos: the local stack under steady open-loop load while its processes are SIGKILLed.
 
 The stack, all on 127.0.0.1: the embedded Redis (password from a 0600 file), the indexer, two
 drafter replicas (the decode workers spread sequences over both), the SSD speculator (unless
@@ -24,8 +24,8 @@ reports, as JSON lines:
 
 and a PNG: every request's latency against its arrival time, faults marked.
 
-    python bench/chaos.py --duration-s 600 --out bench/results/issue15-chaos.jsonl \\
-        --png bench/results/issue15-chaos.png
+    python bench/chaos.py --duration-s 600 --out bench/results/chaos.jsonl \\
+        --png bench/results/chaos.png
 """
 
 from __future__ import annotations

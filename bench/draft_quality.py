@@ -16,7 +16,7 @@ for tuning the drafter's constants; never tune on mt_bench).
         --config baseline: --config long:branch_len=12
 
 Side by side with the SSSD paper's own library (`sssd_speculator`, github.com/michelemarzollo/
-sssd_speculator; not a dependency of this project, built by hand as the README says):
+sssd_speculator; not a dependency of this project, built by hand, see docs/benchmarks.md):
 `--reference-build DIR` imports it from DIR, writes the same datastore documents into its index
 format once (cached under var/bench/reference/) and scores it by the same replay, with the
 settings of the paper's own evaluation (`lookahead_comparisons.py`: lookup key 4 tokens, prompt

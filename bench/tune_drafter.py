@@ -1,6 +1,6 @@
 """Tunes the drafter's constants on held-out data by replay (bench/draft_quality.py).
 
-Coordinate descent over the constants of ALGORITHM.md, scored by the mean tokens per step over
+Coordinate descent over the constants of docs/algorithm.md, scored by the mean tokens per step over
 the budgets on the `sharegpt-tune` set (first turns of ShareGPT records 12,000-14,999, outside
 the ShareGPT datastore, which holds records 0-11,999). MT-Bench and the code set are never
 used here; score the result on them afterwards with draft_quality.py.

@@ -116,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stack.add_argument("--speculator-draft-layers", type=int, default=8,
                        help="keep the first N layers of the draft model; 0: all (default 8: "
                        "the default target has no smaller sibling here, so its first layers "
-                       "are the draft; a poor one, see the README)")
+                       "are the draft; a poor one, see docs/services/speculator.md)")
     stack.add_argument("--no-live", action="store_true",
                        help="no live datastore: no Redis, no indexer, nothing published")
     stack.add_argument("--live-dir", default="var/live/datastore",

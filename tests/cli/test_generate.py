@@ -1,4 +1,4 @@
-"""`sssd-generate`, the README's main job: a real drafter service, the engine, the comparison."""
+"""`sssd-generate`, one prompt in process: a real drafter service, the engine, the comparison."""
 
 import subprocess
 import sys

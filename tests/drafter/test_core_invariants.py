@@ -175,7 +175,7 @@ def test_min_continuations_stops_shortening_the_prefix(core_shard, core_params, 
     (4, [1, 2, 3], [1, 1, 2]),  # bases 0 1 2, remainders 4 2 0: shard 0 gets the unit
     (3, [0, 5], [0, 3]),
     (0, [4, 4], [0, 0]),
-    (7, [0, 0], [0, 0]),  # N = 0, left open by ALGORITHM.md: no continuations
+    (7, [0, 0], [0, 0]),  # N = 0, left open by docs/algorithm.md: no continuations
 ])
 def test_apportion_largest_remainder(total, sizes, quotas):
     assert _core.apportion(total, sizes) == quotas

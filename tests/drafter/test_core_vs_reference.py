@@ -1,4 +1,4 @@
-"""Property tests: the C++ drafter core equals the plain-Python reference of ALGORITHM.md.
+"""Property tests: the C++ drafter core equals the plain-Python reference of docs/algorithm.md.
 
 Vocabularies are tiny (2-12 tokens) so that repeated n-grams, shared continuations and priority
 ties, the cases where the two could disagree, happen in most examples.
@@ -73,7 +73,7 @@ def datastores(draw) -> tuple[int, list[list[list[int]]]]:
 
 def build_both(vocab_size, shard_documents, max_continuations, core_shard, weights=None):
     """The same datastore twice: core Datastore and reference [(stream, sa)]; with `weights`
-    the core's shards carry them (ALGORITHM.md, Shard weights)."""
+    the core's shards carry them (docs/algorithm.md, Shard weights)."""
     core_shards = [core_shard(docs, vocab_size) for docs in shard_documents]
     views = core_shards if weights is None else [(*shard, w)
                                                  for shard, w in zip(core_shards, weights)]

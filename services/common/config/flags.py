@@ -6,7 +6,7 @@ extra `aliases` and `env` variables come from the same declaration. So a CLI nev
 default or a help text, and `from_args` builds the frozen config, which validates itself.
 
     parser = argparse.ArgumentParser()
-    add_flags(parser, EngineConfig, defaults={"budget_policy": "measured"})
+    add_flags(parser, EngineConfig, exclude=("model",))
     config = from_args(EngineConfig, parser.parse_args())
 """
 

@@ -1,6 +1,6 @@
 """Greedy exactness: speculative output equals transformers' generate(), token for token.
 
-float32 so that numerical near-ties cannot hide a bug (DESIGN.md section 5).
+float32 so that numerical near-ties cannot hide a bug.
 """
 
 import numpy as np
