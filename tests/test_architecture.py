@@ -4,6 +4,7 @@ one registry, the one error table, ports and flags defined once."""
 
 import argparse
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,19 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if node not in state and (cycle := visit(node)):
             return cycle
     return None
+
+
+def test_the_import_tree_is_the_source_tree():
+    """An editable install: every sssd module is imported from services/, where it is edited
+    (the compiled core included, which scripts/build_core.sh puts there)."""
+    code = ("import json, sssd, sssd._core, sssd.v1.generate_pb2, sssd.verifier.engine.engine; "
+            "print(json.dumps([sssd.__file__, sssd._core.__file__, "
+            "sssd.v1.generate_pb2.__file__, sssd.verifier.engine.engine.__file__]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd="/")
+    assert done.returncode == 0, done.stderr
+    for path in json.loads(done.stdout):
+        assert Path(path).resolve().is_relative_to(SERVICES), path
 
 
 def test_there_is_no_import_cycle():

@@ -19,7 +19,6 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 # `sssd up` starts Ray, Redis and services as subprocesses while its gRPC channels are open; with
 # gRPC's fork handlers on, every start logs "skipping fork() handlers". Nothing here forks a
@@ -38,9 +37,6 @@ from sssd.common.rpc.tls import add_tls_flags, tls_from_args
 from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.serving.config import FrontendConfig, RayConfig
 from sssd.verifier.serving.frontend import serve
-
-if TYPE_CHECKING:
-    from sssd.verifier.serving.config import FrontendConfig
 
 DEFAULT_TARGET = f"127.0.0.1:{GENERATE_PORT}"
 
@@ -146,14 +142,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_config(args: argparse.Namespace) -> "FrontendConfig":
+def serve_config(args: argparse.Namespace) -> FrontendConfig:
     """The FrontendConfig of parsed `sssd serve` flags (ValueError for a bad combination)."""
     ray = from_args(RayConfig, args, host=args.host, token_file="var/ray/auth_token") \
         if args.ray else None
     publish = None
     if args.redis_url:
         stream = {"stream": args.stream} if args.stream else {}
-
         publish = PublishConfig(args.redis_url, str(Path(args.spool_dir).absolute()), **stream,
                                 password=configured_password())
     return from_args(FrontendConfig, args, engine=from_args(EngineConfig, args),
@@ -181,7 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_request_options(chat)
     add_serve_arguments(commands.add_parser(
         "serve", help="run the generation API (single process, or --ray)"))
-
     add_arguments(commands.add_parser("up", help="start the whole stack locally and serve",
                                       description=up_doc()))
     return parser

@@ -89,7 +89,6 @@ FRONTEND_FLAGS = ("host", "port", "max_requests", "max_tokens_limit", "default_m
 ENGINE_EXCLUDED = ("mode", "drafter_target", "datastore_dir",  # set by the stack itself
                    "speculator_target")
 INDEXER_FLAGS = ("build_tokens", "build_interval_s")
-INDEXER_DEFAULTS = {"build_tokens": 20_000, "build_interval_s": 30.0}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,7 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"the indexer's gRPC health (default {INDEXER_PORT})")
     stack.add_argument("--indexer-metrics-port", type=int, default=INDEXER_METRICS_PORT,
                        help=f"the indexer's Prometheus endpoint (default {INDEXER_METRICS_PORT})")
-    add_flags(stack, IndexerConfig, include=INDEXER_FLAGS, defaults=INDEXER_DEFAULTS)
+    add_flags(stack, IndexerConfig, include=INDEXER_FLAGS)
     check = parser.add_argument_group("the check prompt")
     check.add_argument("--prompt", default=DEMO_PROMPT, help=f"(default {DEMO_PROMPT!r})")
     check.add_argument("--max-tokens", type=int, default=96, help="of its answer (default 96)")

@@ -60,8 +60,10 @@ class IndexerConfig:
     shard_tokens: int = option(DEFAULT_SHARD_TOKENS, "largest shard, in tokens (the paper's 512M)")
     max_shards: int = option(8, "the datastore keeps at most max_shards x shard_tokens tokens; "
                              "beyond, the oldest shards leave the manifest")
-    build_tokens: int = option(1_000_000, "build once this many new tokens are buffered ...")
-    build_interval_s: float = option(60.0, "... or once the oldest buffered conversation is "
+    # Small, frequent builds: a build costs what its own tokens cost (merges keep the shard
+    # count down), so served conversations reach the drafters within seconds.
+    build_tokens: int = option(20_000, "build once this many new tokens are buffered ...")
+    build_interval_s: float = option(30.0, "... or once the oldest buffered conversation is "
                                      "this old")
     merge_fanout: int = option(4, "shards of one size tier merged into one (LSM compaction)")
     merge_base_tokens: int = option(4_096, "shards below base x fanout tokens are tier 0")

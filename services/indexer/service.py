@@ -81,7 +81,6 @@ def corpus_documents(path: Path, tokenizer) -> Iterator[list[int]]:
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
-
     if not args.corpus.is_file():
         print(f"sssd-indexer: error: {args.corpus} is not a file", file=sys.stderr)
         return 2
@@ -145,7 +144,6 @@ class IndexerMetrics:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-
     if args.vocab_size and args.tokenizer_fingerprint:
         vocab_size, fingerprint = args.vocab_size, args.tokenizer_fingerprint
     else:

@@ -134,7 +134,6 @@ class SpeculatorCollector:
         self._speculator = speculator
 
     def collect(self):  # type: ignore[no-untyped-def]
-
         s = self._speculator
         stats = s.stats
         counters = [("rounds", "Round calls", stats.rounds),

@@ -2,7 +2,7 @@
 
 Model runner, slot KV cache, tree batches, acceptance, sampling, the scheduler, the budget
 policy and the step that ties them together. No grpc, no Ray, no C++ extension: drafting
-sources meet the engine through `sssd.common.drafting.Proposer`.
+sources meet the engine through `sssd.common.drafting.proposer.Proposer` (drafting.py).
 
 The names below are imported on first use, so `sssd.verifier.engine.config` and `.request`
 stay free of torch for the processes that only configure or validate.
