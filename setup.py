@@ -1,6 +1,7 @@
-"""Packaging: services/ is the package `sssd` (services/<name>/ is `sssd.<name>`), and the C++
-drafter core (services/drafter/core/) is its extension module `sssd._core`, built by CMake
-(CMakeLists.txt) and copied next to the Python sources.
+"""Packaging: services/ is the package `sssd` (services/<name>/ is `sssd.<name>`), with two
+extension modules built by CMake (CMakeLists.txt) and copied next to the Python sources: the C++
+drafter core (services/drafter/core/) as `sssd._core`, and the verifier's fused CPU operations
+(services/verifier/engine/kernels/) as `sssd._kernels`.
 
 `pip install -e .` (what scripts/setup.sh runs) is an editable install: Python edits under
 services/ take effect on the next run; a C++ edit needs `bash scripts/build_core.sh`. The CMake
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parent
 
 
 class CMakeBuild(build_ext):
-    """Builds `sssd._core` with CMake instead of setuptools' compiler driver."""
+    """Builds the extension modules with CMake instead of setuptools' compiler driver."""
 
     def build_extension(self, ext: Extension) -> None:
         # One build directory per environment: each is configured for its own interpreter.
@@ -28,9 +29,10 @@ class CMakeBuild(build_ext):
         subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build_dir),
                         "-DCMAKE_BUILD_TYPE=Release", f"-DPython_EXECUTABLE={sys.executable}"],
                        check=True)
-        subprocess.run(["cmake", "--build", str(build_dir), "--parallel",
+        target = ext.name.rpartition(".")[2]
+        subprocess.run(["cmake", "--build", str(build_dir), "--target", target, "--parallel",
                         str(os.cpu_count() or 1)], check=True)
-        (built,) = build_dir.glob("_core.*.so")
+        (built,) = build_dir.glob(f"{target}.*.so")
         target = Path(self.get_ext_fullpath(ext.name))
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(built, target)
@@ -40,6 +42,6 @@ setup(
     packages=["sssd", *(f"sssd.{name}" for name in find_packages("services"))],
     package_dir={"sssd": "services"},
     package_data={"sssd.v1": ["*.pyi"], "sssd.common.data": ["*.jsonl"]},
-    ext_modules=[Extension("sssd._core", sources=[])],
+    ext_modules=[Extension("sssd._core", sources=[]), Extension("sssd._kernels", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
 )

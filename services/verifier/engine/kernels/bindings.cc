@@ -1,0 +1,68 @@
+// The verifier's fused CPU operations as the module sssd._kernels (decoder.py calls them).
+//
+// Tensors are passed as data pointers (`tensor.data_ptr()`) with their sizes: the caller,
+// decoder.py, owns the tensors, checks their shapes and dtypes once per step and keeps them
+// alive across the call. Every call releases the GIL.
+#include <nanobind/nanobind.h>
+
+#include <cstdint>
+
+#include "fused_ops.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace k = sssd::kernels;
+
+namespace {
+
+void* ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+k::Dtype dtype_of(int32_t code) {
+  if (code != 0 && code != 1) throw nb::value_error("dtype code must be 0 (float32) or 1 (bf16)");
+  return static_cast<k::Dtype>(code);
+}
+
+}  // namespace
+
+NB_MODULE(_kernels, m) {
+  m.doc() = "Fused CPU operations of the verifier's decoder layers (RMSNorm, rotary, attention).";
+  m.attr("MAX_TREE_NODES") = k::kMaxTreeNodes;
+  m.def("has_avx512", &k::has_avx512);
+  m.def("set_portable", &k::set_portable, "portable"_a,
+        "Turns the AVX-512 attention off (True) or back on; returns the previous setting.");
+  m.def("num_threads", &k::num_threads, "OpenMP threads of the parallel loops.");
+  m.def("rms_norm", [](uintptr_t x, uintptr_t w, uintptr_t out, int64_t rows, int64_t dim,
+                       float eps, int32_t dtype) {
+    k::rms_norm(ptr(x), ptr(w), ptr(out), rows, dim, eps, dtype_of(dtype));
+  }, nb::call_guard<nb::gil_scoped_release>());
+  m.def("add_rms_norm", [](uintptr_t x, uintptr_t y, uintptr_t w, uintptr_t out, int64_t rows,
+                           int64_t dim, float eps, int32_t dtype) {
+    k::add_rms_norm(ptr(x), ptr(y), ptr(w), ptr(out), rows, dim, eps, dtype_of(dtype));
+  }, nb::call_guard<nb::gil_scoped_release>());
+  m.def("silu_mul", [](uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t inter,
+                       int32_t dtype) {
+    k::silu_mul(ptr(gate_up), ptr(out), rows, inter, dtype_of(dtype));
+  }, nb::call_guard<nb::gil_scoped_release>());
+  m.def("rope_and_store", [](uintptr_t qkv, uintptr_t cos_table, uintptr_t sin_table,
+                             uintptr_t position_ids, uintptr_t q_out, uintptr_t key_cache,
+                             uintptr_t value_cache, uintptr_t cache_lens, int64_t first_slot,
+                             int64_t num_seqs, int64_t num_nodes, int64_t heads,
+                             int64_t kv_heads, int64_t head_dim, int64_t capacity,
+                             int32_t dtype) {
+    k::rope_and_store(ptr(qkv), ptr(cos_table), ptr(sin_table),
+                      static_cast<const int64_t*>(ptr(position_ids)), ptr(q_out),
+                      ptr(key_cache), ptr(value_cache),
+                      static_cast<const int64_t*>(ptr(cache_lens)), first_slot, num_seqs,
+                      num_nodes, heads, kv_heads, head_dim, capacity, dtype_of(dtype));
+  }, nb::call_guard<nb::gil_scoped_release>());
+  m.def("attention", [](uintptr_t q, uintptr_t key_cache, uintptr_t value_cache,
+                        uintptr_t cache_lens, uintptr_t tree_bits, uintptr_t out,
+                        int64_t first_slot, int64_t num_seqs, int64_t num_nodes, int64_t heads,
+                        int64_t kv_heads, int64_t head_dim, int64_t capacity, float scale,
+                        int32_t dtype) {
+    k::attention(ptr(q), ptr(key_cache), ptr(value_cache),
+                 static_cast<const int64_t*>(ptr(cache_lens)),
+                 static_cast<const uint64_t*>(ptr(tree_bits)), ptr(out), first_slot, num_seqs,
+                 num_nodes, heads, kv_heads, head_dim, capacity, scale, dtype_of(dtype));
+  }, nb::call_guard<nb::gil_scoped_release>());
+}

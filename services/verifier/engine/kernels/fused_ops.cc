@@ -1,0 +1,268 @@
+#include "fused_ops.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "numbers.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// One copy of each hot loop for AVX-512 and one for any x86-64, chosen at load time by the CPU.
+#define SSSD_CLONES __attribute__((target_clones("avx512f", "default")))
+#else
+#define SSSD_CLONES
+#endif
+
+namespace sssd::kernels {
+namespace {
+
+using detail::AttentionProblem;
+using detail::bf16_to_float;
+using detail::exp_nonpositive;
+using detail::float_to_bf16;
+using detail::round_to;
+
+// Rows below this many run on the calling thread: a parallel region costs more than their work.
+constexpr int64_t kParallelRows = 32;
+
+std::atomic<bool> portable{false};
+
+// Row [count] of `base` at `offset`, as float32, into out.
+SSSD_CLONES void to_float(const void* base, int64_t offset, int64_t count, Dtype dtype,
+                          float* out) {
+  if (dtype == Dtype::kFloat32) {
+    std::memcpy(out, static_cast<const float*>(base) + offset, count * sizeof(float));
+    return;
+  }
+  const uint16_t* in = static_cast<const uint16_t*>(base) + offset;
+  for (int64_t i = 0; i < count; ++i) {
+    uint32_t wide = static_cast<uint32_t>(in[i]) << 16;
+    std::memcpy(out + i, &wide, sizeof(float));
+  }
+}
+
+SSSD_CLONES void from_float(const float* in, int64_t count, Dtype dtype, void* base,
+                            int64_t offset) {
+  if (dtype == Dtype::kFloat32) {
+    std::memcpy(static_cast<float*>(base) + offset, in, count * sizeof(float));
+    return;
+  }
+  uint16_t* out = static_cast<uint16_t*>(base) + offset;
+  for (int64_t i = 0; i < count; ++i) out[i] = float_to_bf16(in[i]);
+}
+
+// --- layer pieces ------------------------------------------------------------------------------
+
+SSSD_CLONES void norm_row(const float* x, const float* w, float* out, int64_t dim, float eps,
+                          Dtype dtype) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < dim; ++i) sum += x[i] * x[i];
+  const float inverse = 1.0f / std::sqrt(sum / static_cast<float>(dim) + eps);
+  for (int64_t i = 0; i < dim; ++i) out[i] = w[i] * round_to(x[i] * inverse, dtype);
+}
+
+SSSD_CLONES void add_rows(float* x, const float* y, int64_t dim, Dtype dtype) {
+  for (int64_t i = 0; i < dim; ++i) x[i] = round_to(x[i] + y[i], dtype);
+}
+
+SSSD_CLONES void silu_mul_row(const float* gate, const float* up, float* out, int64_t inter,
+                              Dtype dtype) {
+  for (int64_t i = 0; i < inter; ++i) {
+    const float g = gate[i];
+    // silu(g) = g * sigmoid(g); exp of a non-positive argument either way.
+    const float e = exp_nonpositive(-std::fabs(g));
+    const float sigmoid = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+    out[i] = round_to(round_to(g * sigmoid, dtype) * up[i], dtype);
+  }
+}
+
+// Rotates x [head_dim] (halves swapped) by cos, sin, as transformers does in the model dtype:
+// round(round(x * cos) + round(rotated * sin)).
+SSSD_CLONES void rotate_row(const float* x, const float* cos, const float* sin, float* out,
+                            int64_t head_dim, Dtype dtype) {
+  const int64_t half = head_dim / 2;
+  for (int64_t i = 0; i < head_dim; ++i) {
+    const float rotated = i < half ? -x[i + half] : x[i - half];
+    out[i] = round_to(round_to(x[i] * cos[i], dtype) + round_to(rotated * sin[i], dtype), dtype);
+  }
+}
+
+// The portable attention of one (row, key head) pair: one query at a time, the same sums in the
+// same order as the AVX-512 one (attention_avx512.cc) up to the order within a dot product.
+template <typename T>
+void attend_portable(const AttentionProblem& problem, int64_t s, int64_t g) {
+  const int64_t group = problem.group(), num_nodes = problem.num_nodes;
+  const int64_t head_dim = problem.head_dim;
+  const int64_t cached = problem.cache_lens[s];
+  const int64_t length = cached + num_nodes;
+  const int64_t offset = problem.cache_offset(s, g);
+  std::vector<float> query(head_dim), key(head_dim), weights(length), result(head_dim);
+  for (int64_t j = 0; j < num_nodes; ++j) {
+    for (int64_t k = 0; k < group; ++k) {
+      const int64_t q_offset = ((s * num_nodes + j) * problem.heads + g * group + k) * head_dim;
+      to_float(problem.q, q_offset, head_dim, problem.dtype, query.data());
+      float top = -INFINITY;
+      for (int64_t p = 0; p < length; ++p) {
+        if (!problem.visible(s, j, p)) {
+          weights[p] = -INFINITY;
+          continue;
+        }
+        to_float(problem.key_cache, offset + p * head_dim, head_dim, problem.dtype, key.data());
+        float dot = 0.0f;
+        for (int64_t d = 0; d < head_dim; ++d) dot += query[d] * key[d];
+        weights[p] = dot * problem.scale;
+        top = std::max(top, weights[p]);
+      }
+      float total = 0.0f;
+      std::fill(result.begin(), result.end(), 0.0f);
+      for (int64_t p = 0; p < length; ++p) {
+        const float weight = exp_nonpositive(weights[p] - top);
+        if (weight == 0.0f) continue;
+        total += weight;
+        to_float(problem.value_cache, offset + p * head_dim, head_dim, problem.dtype,
+                 key.data());
+        for (int64_t d = 0; d < head_dim; ++d) result[d] += weight * key[d];
+      }
+      const float inverse = 1.0f / total;
+      for (int64_t d = 0; d < head_dim; ++d) result[d] *= inverse;
+      from_float(result.data(), head_dim, problem.dtype, problem.out, q_offset);
+    }
+  }
+}
+
+}  // namespace
+
+bool has_avx512() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
+bool set_portable(bool value) { return portable.exchange(value); }
+
+int32_t num_threads() { return omp_get_max_threads(); }
+
+void rms_norm(const void* x, const void* w, void* out, int64_t rows, int64_t dim, float eps,
+              Dtype dtype) {
+  std::vector<float> ws(dim);
+  to_float(w, 0, dim, dtype, ws.data());
+#pragma omp parallel if (rows >= kParallelRows)
+  {
+    std::vector<float> xs(dim), result(dim);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      to_float(x, r * dim, dim, dtype, xs.data());
+      norm_row(xs.data(), ws.data(), result.data(), dim, eps, dtype);
+      from_float(result.data(), dim, dtype, out, r * dim);
+    }
+  }
+}
+
+void add_rms_norm(void* x, const void* y, const void* w, void* out, int64_t rows, int64_t dim,
+                  float eps, Dtype dtype) {
+  std::vector<float> ws(dim);
+  to_float(w, 0, dim, dtype, ws.data());
+#pragma omp parallel if (rows >= kParallelRows)
+  {
+    std::vector<float> xs(dim), ys(dim), result(dim);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      to_float(x, r * dim, dim, dtype, xs.data());
+      to_float(y, r * dim, dim, dtype, ys.data());
+      add_rows(xs.data(), ys.data(), dim, dtype);
+      from_float(xs.data(), dim, dtype, x, r * dim);
+      norm_row(xs.data(), ws.data(), result.data(), dim, eps, dtype);
+      from_float(result.data(), dim, dtype, out, r * dim);
+    }
+  }
+}
+
+void silu_mul(const void* gate_up, void* out, int64_t rows, int64_t inter, Dtype dtype) {
+#pragma omp parallel if (rows >= kParallelRows)
+  {
+    std::vector<float> gate(inter), up(inter), result(inter);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      to_float(gate_up, r * 2 * inter, inter, dtype, gate.data());
+      to_float(gate_up, r * 2 * inter + inter, inter, dtype, up.data());
+      silu_mul_row(gate.data(), up.data(), result.data(), inter, dtype);
+      from_float(result.data(), inter, dtype, out, r * inter);
+    }
+  }
+}
+
+void rope_and_store(const void* qkv, const void* cos_table, const void* sin_table,
+                    const int64_t* position_ids, void* q_out, void* key_cache, void* value_cache,
+                    const int64_t* cache_lens, int64_t first_slot, int64_t num_seqs,
+                    int64_t num_nodes, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                    int64_t capacity, Dtype dtype) {
+  const int64_t width = (heads + 2 * kv_heads) * head_dim;
+  const int64_t num_tokens = num_seqs * num_nodes;
+#pragma omp parallel if (num_tokens >= kParallelRows)
+  {
+    std::vector<float> cs(head_dim), sn(head_dim), x(head_dim), rotated(head_dim);
+#pragma omp for schedule(static)
+    for (int64_t token = 0; token < num_tokens; ++token) {
+      const int64_t s = token / num_nodes, j = token % num_nodes;
+      to_float(cos_table, position_ids[token] * head_dim, head_dim, dtype, cs.data());
+      to_float(sin_table, position_ids[token] * head_dim, head_dim, dtype, sn.data());
+      const int64_t row = token * width;
+      for (int64_t h = 0; h < heads; ++h) {
+        to_float(qkv, row + h * head_dim, head_dim, dtype, x.data());
+        rotate_row(x.data(), cs.data(), sn.data(), rotated.data(), head_dim, dtype);
+        from_float(rotated.data(), head_dim, dtype, q_out, (token * heads + h) * head_dim);
+      }
+      const int64_t position = cache_lens[s] + j;
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        const int64_t cached = (((first_slot + s) * kv_heads + g) * capacity + position) *
+                               head_dim;
+        to_float(qkv, row + (heads + g) * head_dim, head_dim, dtype, x.data());
+        rotate_row(x.data(), cs.data(), sn.data(), rotated.data(), head_dim, dtype);
+        from_float(rotated.data(), head_dim, dtype, key_cache, cached);
+        to_float(qkv, row + (heads + kv_heads + g) * head_dim, head_dim, dtype, x.data());
+        from_float(x.data(), head_dim, dtype, value_cache, cached);
+      }
+    }
+  }
+}
+
+void attention(const void* q, const void* key_cache, const void* value_cache,
+               const int64_t* cache_lens, const uint64_t* tree_bits, void* out,
+               int64_t first_slot, int64_t num_seqs, int64_t num_nodes, int64_t heads,
+               int64_t kv_heads, int64_t head_dim, int64_t capacity, float scale, Dtype dtype) {
+  if (num_nodes < 1 || num_nodes > kMaxTreeNodes) {
+    throw std::invalid_argument("attention: 1 to 64 nodes per row");
+  }
+  if (kv_heads < 1 || heads % kv_heads != 0 || head_dim % 2 != 0) {
+    throw std::invalid_argument("attention: heads must be a multiple of kv_heads");
+  }
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (cache_lens[s] < 0 || cache_lens[s] + num_nodes > capacity) {
+      throw std::invalid_argument("attention: a row's keys exceed the cache capacity");
+    }
+  }
+  const AttentionProblem problem{q,     key_cache, value_cache, cache_lens, tree_bits, out,
+                                 first_slot, num_seqs, num_nodes, heads, kv_heads, head_dim,
+                                 capacity, scale, dtype};
+  const bool vector = !portable.load() && has_avx512();
+  const int64_t items = num_seqs * kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) if (items > 1)
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t s = item / kv_heads, g = item % kv_heads;
+    if (vector && detail::attend_avx512(problem, s, g)) continue;
+    if (dtype == Dtype::kFloat32) {
+      attend_portable<float>(problem, s, g);
+    } else {
+      attend_portable<uint16_t>(problem, s, g);
+    }
+  }
+}
+
+}  // namespace sssd::kernels

@@ -1,0 +1,75 @@
+// Fused operations of one decoder layer, for the verifier's CPU forward pass (decoder.py): what
+// runs between the matrix products, in one call each instead of a dozen tensor operations.
+//
+// Tensors are plain row-major arrays of the model's dtype (float32 or bfloat16, `Dtype`); every
+// operation computes in float32 and rounds its outputs to the model's dtype where transformers'
+// Llama and Qwen2 code would (round to nearest even), so a bfloat16 model computes as it does
+// there, up to the order of the sums. Names of dimensions follow the Python side: num_tokens =
+// num_seqs * num_nodes rows of a step.
+//
+// Parallel loops use OpenMP. Loaded after PyTorch, the module shares PyTorch's OpenMP runtime
+// (the same libgomp.so.1) and so its threads: a second pool would spin against PyTorch's between
+// the calls of a step.
+#pragma once
+
+#include <cstdint>
+
+namespace sssd::kernels {
+
+enum class Dtype : int32_t { kFloat32 = 0, kBFloat16 = 1 };
+
+// The most nodes a row of a step may have in `attention` (its tree is a 64-bit mask per node).
+inline constexpr int64_t kMaxTreeNodes = 64;
+
+// True when this CPU runs the AVX-512 paths (else portable loops, same results up to rounding).
+bool has_avx512();
+
+// Turns the AVX-512 attention off (tests compare the two paths); returns the previous setting.
+bool set_portable(bool portable);
+
+// OpenMP threads the parallel loops use (PyTorch's setting when the runtime is shared).
+int32_t num_threads();
+
+// out[r] = w * round(x[r] * rsqrt(mean(x[r]^2) + eps)): transformers' RMSNorm.
+// x, out [rows, dim]; w [dim].
+void rms_norm(const void* x, const void* w, void* out, int64_t rows, int64_t dim, float eps,
+              Dtype dtype);
+
+// x[r] = round(x[r] + y[r]) (the residual stream, in place), then out[r] = rms_norm(x[r]).
+void add_rms_norm(void* x, const void* y, const void* w, void* out, int64_t rows, int64_t dim,
+                  float eps, Dtype dtype);
+
+// out[r] = round(round(silu(gate[r])) * up[r]) with gate_up [rows, 2 * inter] = [gate | up];
+// out [rows, inter].
+void silu_mul(const void* gate_up, void* out, int64_t rows, int64_t inter, Dtype dtype);
+
+// Rotary embedding and the KV cache write of one layer's step.
+//   qkv [num_seqs * num_nodes, (heads + 2 kv_heads) * head_dim]: the fused projection;
+//   cos_table, sin_table [table_len, head_dim]: the rotary tables by position;
+//   position_ids [num_seqs * num_nodes] int64: each token's position (< table_len);
+//   q_out [num_seqs, num_nodes, heads, head_dim]: the rotated queries;
+//   key_cache, value_cache [max_seqs, kv_heads, capacity, head_dim]: one layer's cache, whose
+//   slots first_slot + s hold the step's rows; cache_lens [num_seqs] int64: the tokens already
+//   in each row's slot; token j of row s is written at cache position cache_lens[s] + j.
+// Keys are rotated, values copied.
+void rope_and_store(const void* qkv, const void* cos_table, const void* sin_table,
+                    const int64_t* position_ids, void* q_out, void* key_cache, void* value_cache,
+                    const int64_t* cache_lens, int64_t first_slot, int64_t num_seqs,
+                    int64_t num_nodes, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                    int64_t capacity, Dtype dtype);
+
+// Tree attention of the step's queries over the cache.
+//   q [num_seqs, num_nodes, heads, head_dim] (rope_and_store's q_out);
+//   cache_lens [num_seqs]: as for rope_and_store; the step's nodes follow them in the cache;
+//   tree_bits [num_seqs, num_nodes]: bit a of node j set when node j sees node a (itself and
+//   its ancestors); every node sees its row's cache_lens[s] cached positions;
+//   out [num_seqs, num_nodes, heads * head_dim].
+// Query head h reads key head h / (heads / kv_heads). Softmax in float32. The sums over keys run
+// in position order over the visible keys only, so a query's result depends on what it sees,
+// not on the batch, the tree's shape or its padding.
+void attention(const void* q, const void* key_cache, const void* value_cache,
+               const int64_t* cache_lens, const uint64_t* tree_bits, void* out,
+               int64_t first_slot, int64_t num_seqs, int64_t num_nodes, int64_t heads,
+               int64_t kv_heads, int64_t head_dim, int64_t capacity, float scale, Dtype dtype);
+
+}  // namespace sssd::kernels

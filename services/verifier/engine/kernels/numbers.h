@@ -1,0 +1,89 @@
+// Number formats and the attention problem shared by the portable kernels (fused_ops.cc) and
+// the AVX-512 attention (attention_avx512.cc).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "fused_ops.h"
+
+namespace sssd::kernels::detail {
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof value);
+  return value;
+}
+
+// Round to nearest even, as PyTorch converts float32 to bfloat16.
+inline uint16_t float_to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// A value rounded to the model's dtype and back: what a tensor of that dtype would hold.
+inline float round_to(float value, Dtype dtype) {
+  return dtype == Dtype::kFloat32 ? value : bf16_to_float(float_to_bf16(value));
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the maximum): 2^(x log2 e) split into an integer
+// power, set in the exponent bits, and a polynomial on [-0.5, 0.5]; relative error ~2e-7. Plain
+// arithmetic, so the compiler vectorizes it. Below -87 (and for -inf: a masked key) it is 0.
+inline float exp_nonpositive(float x) {
+  const bool vanishes = x < -87.0f;
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504088896341f;
+  // Round to the nearest integer by adding and subtracting 1.5 * 2^23 (|t| < 2^22): plain
+  // arithmetic, which vectorizes, where std::nearbyint would be a library call per element.
+  const float n = (t + 12582912.0f) - 12582912.0f;
+  const float f = t - n;  // [-0.5, 0.5]
+  // 2^f by its Taylor series in f ln 2, to degree 6.
+  float p = 1.53526970e-4f;
+  p = p * f + 1.33335581e-3f;
+  p = p * f + 9.61812911e-3f;
+  p = p * f + 5.55041087e-2f;
+  p = p * f + 2.40226507e-1f;
+  p = p * f + 6.93147182e-1f;
+  p = p * f + 1.0f;
+  const int32_t exponent = static_cast<int32_t>(n) + 127;  // >= 1 since x >= -87
+  const uint32_t bits = static_cast<uint32_t>(exponent) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return vanishes ? 0.0f : p * scale;
+}
+
+// One call's attention problem (see attention() in fused_ops.h).
+struct AttentionProblem {
+  const void* q;
+  const void* key_cache;
+  const void* value_cache;
+  const int64_t* cache_lens;
+  const uint64_t* tree_bits;
+  void* out;
+  int64_t first_slot, num_seqs, num_nodes, heads, kv_heads, head_dim, capacity;
+  float scale;
+  Dtype dtype;
+
+  int64_t group() const { return heads / kv_heads; }
+  // Offset (in elements) of cache row (s, key head g) in either cache.
+  int64_t cache_offset(int64_t s, int64_t g) const {
+    return ((first_slot + s) * kv_heads + g) * capacity * head_dim;
+  }
+  // Whether node j of row s sees the key at cache position p (< cache_lens[s] + num_nodes).
+  bool visible(int64_t s, int64_t j, int64_t p) const {
+    const int64_t cached = cache_lens[s];
+    return p < cached || ((tree_bits[s * num_nodes + j] >> (p - cached)) & 1u);
+  }
+};
+
+// The AVX-512 attention for one (row, key head) pair; false when it does not apply (head_dim
+// other than 64 or 128): the caller then runs the portable one.
+bool attend_avx512(const AttentionProblem& problem, int64_t s, int64_t g);
+
+}  // namespace sssd::kernels::detail
