@@ -40,15 +40,16 @@ def make_budget_policy(config: EngineConfig, runner: ModelRunner,
     """`speculates`: False for an engine without a proposer, which always decodes one token.
 
     The measured policy's profile is reused from `profile_path` when it was measured with the
-    same model, dtype and torch threads and covers the batch sizes; its prior is the acceptance
-    saved beside it by an earlier server (serving.observers.AcceptanceSaver), else the built-in
-    one."""
+    same model, dtype, forward pass (runner.impl) and torch threads and covers the batch
+    sizes; its prior is the acceptance saved beside it by an earlier server
+    (serving.observers.AcceptanceSaver), else the built-in one."""
     if not speculates:
         return FixedBudget(1)
     if config.budget_policy == "rule":
         return RuleBudget(config.knee_intensity, config.max_budget)
 
-    setting = {"model": model_name, "dtype": config.dtype, "torch_threads": torch.get_num_threads()}
+    setting = {"model": model_name, "dtype": config.dtype, "model_impl": runner.impl,
+               "torch_threads": torch.get_num_threads()}
     prior = DEFAULT_ACCEPTANCE_PRIOR
     if config.profile_path:
         stats_path = acceptance_path(config.profile_path, config.mode)
@@ -81,7 +82,8 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
     answer's text (serving: streamed text and stop strings); off, it skips that work."""
     loaded = loaded or load_causal_lm(config.model, config.dtype)
     runner = ModelRunner(loaded.model, max_seqs=config.max_batch_size, max_len=config.max_len,
-                         attention=config.attention)
+                         attention=config.attention,
+                         model_impl=config.model_impl)
     tokenizer = loaded.tokenizer
 
     def decode(ids: list[int]) -> str:

@@ -40,8 +40,6 @@ def target_model_bf16():
     return load_causal_lm(None, "bfloat16")
 
 
-
-
 @pytest.fixture(scope="session")
 def mt_bench_prompts(target_model_fp32):
     from sssd.common.data.corpus import first_turns, read_mt_bench
@@ -90,25 +88,26 @@ def engine_factory(target_model_fp32):
     """make(max_batch_size, datastore_dir=None, proposer="inproc" | None | a Proposer) ->
     (engine, drafter); "inproc" builds an in-process SSSD drafter, None decodes
     autoregressively. The engine tracks text (stop strings). `loaded`: another LoadedModel than
-    the float32 one; `attention`: EngineConfig.attention."""
+    the float32 one; `attention` and `model_impl`: EngineConfig's."""
 
     def make(max_batch_size, datastore_dir=None, proposer="inproc", max_budget=16, loaded=None,
-             attention="sdpa"):
+             attention="sdpa", model_impl="auto"):
         return make_engine(loaded or target_model_fp32, max_batch_size, datastore_dir, proposer,
-                           max_budget, attention)
+                           max_budget, attention, model_impl)
 
     return make
 
 
 def make_engine(loaded, max_batch_size, datastore_dir=None, proposer="inproc", max_budget=16,
-                attention="sdpa"):
+                attention="sdpa", model_impl="auto"):
     from sssd.drafter.config import DrafterConfig
     from sssd.drafter.drafter import LocalDrafter
     from sssd.verifier.engine import Engine
     from sssd.verifier.engine.budget_policy import RuleBudget
     from sssd.verifier.engine.model_runner import ModelRunner
 
-    runner = ModelRunner(loaded.model, max_seqs=max_batch_size, max_len=1024, attention=attention)
+    runner = ModelRunner(loaded.model, max_seqs=max_batch_size, max_len=1024, attention=attention,
+                         model_impl=model_impl)
     drafter = None
     if proposer == "inproc":
         drafter = LocalDrafter(DrafterConfig(datastore_dir=datastore_dir,

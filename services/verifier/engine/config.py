@@ -15,6 +15,7 @@ MODES = ("ar", "prompt_lookup", "sssd", "ssd")
 BUDGET_POLICIES = ("rule", "measured")
 DTYPES = ("bfloat16", "float32")
 ATTENTIONS = ("sdpa", "eager")
+MODEL_IMPLS = ("auto", "sssd", "transformers")  # model_runner.MODEL_IMPLS
 # Where the measured policy keeps its profile and, beside it, its acceptance statistics, so that
 # both persist across starts (relative to the working directory of the process that builds the
 # configuration: made absolute there, so that Ray workers elsewhere find the same files).
@@ -30,11 +31,20 @@ class EngineConfig:
                         "traffic of a decode step, float32 breaks argmax ties exactly (and on "
                         "CPUs without bf16 instructions verifies draft trees far cheaper)",
                         choices=DTYPES)
+    model_impl: str = option(
+        "auto", "the forward pass; sssd: the verifier's own (Llama and Qwen2 models: fused "
+        "projections, prepacked weights, its own attention kernel; 1.5-2.5x faster per step on "
+        "a CPU); transformers: the transformers model's forward over the same cache (every "
+        "architecture; the tests' reference); auto: sssd where the architecture is implemented, "
+        "else transformers, with a log line saying why", choices=MODEL_IMPLS)
     attention: str = option(
-        "sdpa", "attention kernel; sdpa: PyTorch's fused kernel (fastest); eager: slower (about "
-        "1.1-1.5x per step on a 2-core CPU), but a row's result no longer depends on the number "
-        "of rows beside it, so bfloat16 plain decoding gives the same answer at every batch size "
-        "(bench/batch_invariance.py); float32 is the exact mode either way", choices=ATTENTIONS)
+        "sdpa", "attention kernel of the transformers forward (model_impl transformers); sdpa: "
+        "PyTorch's fused kernel (fastest); eager: slower (about 1.1-1.5x per step on a 2-core "
+        "CPU), but a row's result no longer depends on the number of rows beside it, so "
+        "bfloat16 plain decoding gives the same answer at every batch size "
+        "(bench/batch_invariance.py); float32 is the exact mode either way. The sssd forward's "
+        "own attention is independent of the rows beside it by construction",
+        choices=ATTENTIONS)
     mode: str = option("sssd", "ar: no speculation; prompt_lookup: input trie only; sssd: "
                        "input trie + datastore; ssd: the speculator service (--speculator), "
                        "with SSSD drafting its misses above the critical batch size",
@@ -74,6 +84,8 @@ class EngineConfig:
         checks = [
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"),
             (self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}"),
+            (self.model_impl in MODEL_IMPLS,
+             f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}"),
             (self.attention in ATTENTIONS,
              f"attention must be one of {ATTENTIONS}, got {self.attention!r}"),
             (self.budget_policy in BUDGET_POLICIES,

@@ -201,18 +201,20 @@ class Engine:
     def _accept(self, running: list[Sequence], trees: list[DraftTree],
                 logits: torch.Tensor) -> list[AcceptResult]:
         """Per row, the accepted path and bonus token; the KV cache keeps only accepted nodes."""
-        results = [self._accept_row(seq, tree, logits[row, : tree.num_nodes])
-                   for row, (seq, tree) in enumerate(zip(running, trees))]
+        # The greedy rows' argmax for the whole batch in one operation and one transfer.
+        argmax = logits.argmax(-1).tolist() \
+            if any(seq.request.sampling.is_greedy for seq in running) else None
+        results = []
+        for row, (seq, tree) in enumerate(zip(running, trees)):
+            if seq.request.sampling.is_greedy:
+                results.append(accept_greedy(tree.token_ids, tree.parents,
+                                             argmax[row][: tree.num_nodes]))
+                continue
+            probs = target_probs(logits[row, : tree.num_nodes], seq.request.sampling)
+            results.append(accept_at_positions(tree.token_ids, tree.parents, probs, seq.seed,
+                                               first_position=len(seq.output_ids)))
         self.runner.commit([r.accepted_nodes for r in results])
         return results
-
-    def _accept_row(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
-        # logits: [num_nodes, vocab_size]
-        if seq.request.sampling.is_greedy:
-            return accept_greedy(tree.token_ids, tree.parents, logits.argmax(-1))
-        probs = target_probs(logits, seq.request.sampling)  # [num_nodes, vocab_size]
-        return accept_at_positions(tree.token_ids, tree.parents, probs, seq.seed,
-                                   first_position=len(seq.output_ids))
 
     def _emit_verified(self, running: list[Sequence], results: list[AcceptResult],
                        budgets: list[int], rows: dict[str, RowOutput]) -> None:

@@ -1,27 +1,70 @@
-"""Runs the target model over prompts (prefill) and over batches of draft trees (verification)."""
+"""Runs the target model over prompts (prefill) and over batches of draft trees (verification).
+
+Two implementations of the forward pass (EngineConfig.model_impl):
+- sssd: the verifier's own (decoder.py), for the Llama and Qwen2 families;
+- transformers: the transformers model's forward over the same KV cache, for every other
+  architecture and as the reference the tests hold the first one to.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch
 
 from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.model.kv_cache import SlotKVCache
+from sssd.verifier.engine.decoder import Decoder, UnsupportedModel
 from sssd.verifier.engine.handoff import PrefilledPrompt
 from sssd.verifier.engine.tree_batch import KV_ALIGN, build_tree_batch, chain_tree
+
+logger = logging.getLogger(__name__)
+
+MODEL_IMPLS = ("auto", "sssd", "transformers")
+# One Decoder per loaded model: runners that share a model (a prefill and a decode worker in one
+# process, the tests) share its prepacked weights too.
+_decoders: weakref.WeakKeyDictionary[torch.nn.Module, Decoder] = weakref.WeakKeyDictionary()
+
+
+def decoder_for(model: torch.nn.Module, impl: str) -> Decoder | None:
+    """The Decoder of `model` for `impl` (MODEL_IMPLS), or None for the transformers forward.
+    auto: the Decoder where the model's architecture is implemented, else the transformers
+    forward with a log line saying why; sssd: raises UnsupportedModel where it is not."""
+    if impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {impl!r}")
+    if impl == "transformers":
+        return None
+    reason = Decoder.supports(model)
+    if reason is not None:
+        if impl == "sssd":
+            raise UnsupportedModel(f"the verifier's own forward pass does not implement {reason}")
+        logger.info("model runner: the transformers forward pass (the verifier's own does not "
+                    "implement %s)", reason)
+        return None
+    decoder = _decoders.get(model)
+    if decoder is None:
+        start = time.perf_counter()
+        decoder = _decoders[model] = Decoder(model)
+        logger.info("model runner: the verifier's own forward pass (%s, %s; weights prepared "
+                    "in %.1f s)", model.config.model_type, str(decoder.dtype).removeprefix(
+                        "torch."), time.perf_counter() - start)
+    return decoder
 
 
 class ModelRunner:
     """Owns the KV cache; the batch of running sequences occupies slots [0, num_running)."""
 
     def __init__(self, model: torch.nn.Module, max_seqs: int, max_len: int,
-                 attention: str = "sdpa") -> None:
-        """`attention`: the model's attention kernel (EngineConfig.attention). It is a setting
-        of the model object, so runners that share one loaded model share it too."""
+                 attention: str = "sdpa", model_impl: str = "auto") -> None:
+        """`attention`: the transformers forward's attention kernel (EngineConfig.attention). It
+        is a setting of the model object, so runners that share one loaded model share it too.
+        `model_impl`: which forward pass (MODEL_IMPLS, see decoder_for)."""
         config = model.config
         self.model = model
+        self.decoder = decoder_for(model, model_impl)
         if getattr(config, "_attn_implementation", None) != attention:
             model.set_attn_implementation(attention)
         self.dtype = next(model.parameters()).dtype
@@ -80,20 +123,28 @@ class ModelRunner:
         self.cache.load(slot, keys, values)
         return logits
 
+    @property
+    def impl(self) -> str:
+        """The forward pass in use: "sssd" or "transformers"."""
+        return "transformers" if self.decoder is None else "sssd"
+
     @torch.inference_mode()
     def verify(self, trees: Sequence[DraftTree]) -> torch.Tensor:
         """One forward pass over the trees of slots [0, len(trees)).
 
-        Returns logits [num_seqs, max_nodes, vocab_size] float32; row i's first
-        trees[i].num_nodes positions are real. Call `commit` afterwards.
+        Returns logits [num_seqs, max_nodes, vocab_size] in the model's dtype (argmax as in
+        float32; sampling converts the rows it needs); row i's first trees[i].num_nodes
+        positions are real. Call `commit` afterwards.
         """
-        return self._forward(trees, first_slot=0).float()
+        return self._forward(trees, first_slot=0)
 
     def _forward(self, trees: Sequence[DraftTree], first_slot: int,
                  logits_to_keep: int = 0) -> torch.Tensor:
         """Trees of slots [first_slot, first_slot + len(trees)) through the model: raw logits."""
         cache_lens = [self.cache.lengths[first_slot + row] for row in range(len(trees))]
         batch = build_tree_batch(trees, cache_lens, self.dtype, self.kv_align)
+        if self.decoder is not None:
+            return self.decoder.forward(batch, self.cache, first_slot, logits_to_keep)
         self.cache.begin_step(first_slot, len(trees), batch.write_positions, batch.kv_len)
         output = self.model(
             input_ids=batch.input_ids,

@@ -1,15 +1,21 @@
-"""Everything the forward pass derives from draft trees: inputs, tree positions, attention mask.
+"""Everything the forward pass derives from draft trees: inputs, tree positions, visibility.
 
 The one place where `parents` becomes a mask. Row i of a step holds the draft
 tree of one sequence whose first `cache_lens[i]` tokens are already in the KV cache; the tree's
 node j goes to cache position `cache_lens[i] + j` and has position id `cache_lens[i] + depth(j)`,
 and attends to the cached prefix, its ancestors and itself (SpecInfer-style tree attention).
+
+Visibility comes in two forms: `tree_bits`, one 64-bit mask per node (what the verifier's own
+attention kernel reads, for trees of up to 64 nodes), and `attention_mask`, the additive
+[num_seqs, 1, num_nodes, kv_len] tensor of the transformers forward and of long prompts, built
+only when a forward pass asks for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -17,15 +23,39 @@ import torch
 from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.model.kv_cache import KV_ALIGN
 
+MAX_TREE_BITS_NODES = 64  # nodes per row that `tree_bits` can describe
+
 
 @dataclass(frozen=True)
 class TreeBatch:
     input_ids: torch.Tensor  # [num_seqs, max_nodes] int64, padded with the root token
     position_ids: torch.Tensor  # [num_seqs, max_nodes] int64
-    attention_mask: torch.Tensor  # [num_seqs, 1, max_nodes, kv_len] additive, model dtype
     write_positions: torch.Tensor  # [num_seqs, max_nodes] int64: cache slot of each node
+    cache_lens: torch.Tensor  # [num_seqs] int64: tokens already cached per row
+    # [num_seqs, max_nodes] int64 bit masks: bit a of node j set when j sees node a (itself, its
+    # ancestors; a padding node only itself); None above MAX_TREE_BITS_NODES nodes
+    tree_bits: torch.Tensor | None
     num_nodes: list[int]  # [num_seqs] real (unpadded) nodes per row
     kv_len: int  # cache positions the step attends over: max(cache_lens) + max_nodes, aligned
+    trees: Sequence[DraftTree]
+    dtype: torch.dtype  # of the additive mask
+
+    @cached_property
+    def attention_mask(self) -> torch.Tensor:
+        """[num_seqs, 1, max_nodes, kv_len] additive (0: attend; the dtype's lowest value: not),
+        built on first use."""
+        num_seqs, max_nodes = self.input_ids.shape
+        allowed = np.zeros((num_seqs, max_nodes, self.kv_len), dtype=bool)
+        for row, (tree, cache_len) in enumerate(zip(self.trees, self.cache_lens.tolist())):
+            n = tree.num_nodes
+            allowed[row, :, :cache_len] = True
+            allowed[row, :n, cache_len : cache_len + n] = ancestor_matrix(tree.parents)
+            # A padding query sees only itself, which keeps its softmax finite.
+            padding = np.arange(n, max_nodes)
+            allowed[row, padding, cache_len + padding] = True
+        mask = torch.zeros((num_seqs, 1, max_nodes, self.kv_len), dtype=self.dtype)
+        mask.masked_fill_(torch.from_numpy(~allowed).unsqueeze(1), torch.finfo(self.dtype).min)
+        return mask
 
 
 def ancestor_matrix(parents: np.ndarray) -> np.ndarray:
@@ -40,40 +70,58 @@ def ancestor_matrix(parents: np.ndarray) -> np.ndarray:
     return visible
 
 
+def depths_and_bits(parents: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Per node: its depth, and the bit mask of itself and its ancestors (Python ints, any
+    number of nodes)."""
+    depths, bits = [0] * len(parents), [1] * len(parents)
+    for node in range(1, len(parents)):
+        parent = parents[node]
+        depths[node] = depths[parent] + 1
+        bits[node] = bits[parent] | (1 << node)
+    return depths, bits
+
+
 def build_tree_batch(
     trees: Sequence[DraftTree], cache_lens: Sequence[int], dtype: torch.dtype,
     kv_align: int = KV_ALIGN,
 ) -> TreeBatch:
-    """`kv_align`: the key length of the step is rounded up to a multiple of it (see KV_ALIGN)."""
+    """`kv_align`: the key length of the step is rounded up to a multiple of it (see KV_ALIGN).
+    `dtype`: of the additive mask, when one is asked for."""
     num_seqs = len(trees)
     max_nodes = max(tree.num_nodes for tree in trees)
     kv_len = -(-(max(cache_lens) + max_nodes) // kv_align) * kv_align
-    input_ids = np.zeros((num_seqs, max_nodes), dtype=np.int64)
-    position_ids = np.zeros((num_seqs, max_nodes), dtype=np.int64)
-    write_positions = np.zeros((num_seqs, max_nodes), dtype=np.int64)
-    allowed = np.zeros((num_seqs, max_nodes, kv_len), dtype=bool)
-    for row, (tree, cache_len) in enumerate(zip(trees, cache_lens)):
+    lens = np.asarray(cache_lens, dtype=np.int64)  # [num_seqs]
+    input_ids = np.empty((num_seqs, max_nodes), dtype=np.int64)
+    depths = np.zeros((num_seqs, max_nodes), dtype=np.int64)  # padding nodes at depth 0
+    with_bits = max_nodes <= MAX_TREE_BITS_NODES
+    if with_bits:
+        # Padding nodes (j >= num_nodes) see only themselves, which keeps their softmax finite;
+        # they are written past the real ones and never committed.
+        own = np.left_shift(np.uint64(1), np.arange(max_nodes, dtype=np.uint64))
+        bits = np.tile(own, (num_seqs, 1))  # [num_seqs, max_nodes] uint64
+    for row, tree in enumerate(trees):
         n = tree.num_nodes
         input_ids[row, :n] = tree.token_ids
         input_ids[row, n:] = tree.token_ids[0]
-        position_ids[row, :n] = cache_len + tree.depths()
-        position_ids[row, n:] = cache_len
-        # Padding nodes are written past the real ones and never committed.
-        write_positions[row] = cache_len + np.arange(max_nodes)
-        allowed[row, :, :cache_len] = True
-        allowed[row, :n, cache_len : cache_len + n] = ancestor_matrix(tree.parents)
-        # A padding query sees only itself, which keeps its softmax finite.
-        padding = np.arange(n, max_nodes)
-        allowed[row, padding, cache_len + padding] = True
-    mask = torch.zeros((num_seqs, 1, max_nodes, kv_len), dtype=dtype)
-    mask.masked_fill_(torch.from_numpy(~allowed).unsqueeze(1), torch.finfo(dtype).min)
+        if n > 1 and np.array_equal(tree.parents, np.arange(-1, n - 1)):  # a chain: a prompt
+            depths[row, :n] = np.arange(n)
+            if with_bits:  # nodes 0..j (2^(j + 1) - 1; at j = 63 the shift wraps to 0)
+                bits[row, :n] = (own[:n] << np.uint64(1)) - np.uint64(1)
+        elif n > 1:
+            row_depths, row_bits = depths_and_bits(tree.parents.tolist())
+            depths[row, :n] = row_depths
+            if with_bits:
+                bits[row, :n] = row_bits
     return TreeBatch(
         input_ids=torch.from_numpy(input_ids),
-        position_ids=torch.from_numpy(position_ids),
-        attention_mask=mask,
-        write_positions=torch.from_numpy(write_positions),
+        position_ids=torch.from_numpy(lens[:, None] + depths),
+        write_positions=torch.from_numpy(lens[:, None] + np.arange(max_nodes)),
+        cache_lens=torch.from_numpy(lens),
+        tree_bits=torch.from_numpy(bits.view(np.int64)) if with_bits else None,
         num_nodes=[tree.num_nodes for tree in trees],
         kv_len=kv_len,
+        trees=trees,
+        dtype=dtype,
     )
 
 

@@ -60,7 +60,8 @@ class PrefillWorker(_ModelWorker):
 
         super().__init__(config, name, torch_threads)
         self.runner = ModelRunner(self.loaded.model, max_seqs=1, max_len=config.max_len,
-                                  attention=config.attention)
+                                  attention=config.attention,
+                                  model_impl=config.model_impl)
         self.metrics = None
         if metrics:
             self.metrics = PrefillMetrics(name)

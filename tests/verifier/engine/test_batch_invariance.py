@@ -1,11 +1,17 @@
-"""bfloat16 verification whose per-row result does not depend on the rows beside it
-(`EngineConfig.attention = "eager"` with the step's key length aligned to tree_batch.KV_ALIGN).
+"""bfloat16 verification whose per-row result does not depend on the rows beside it.
 
-On CPUs whose bf16 matmul computes a row the same way whatever the number of rows (checked first;
-the tests skip elsewhere, with the reason), eager attention makes a row's logits independent of
-the tree and batch around it at the step's start, and plain bfloat16 greedy decoding gives the
-same answer at every batch size. PyTorch's fused SDPA kernel (the default, faster) does neither:
-its rounding changes with the number of query rows (bench/batch_invariance.py measures both).
+The verifier's own forward pass (model_impl "sssd", the default) is built for it: its attention
+kernel sums over exactly the keys a node sees, and its matrix products never run on one row
+(oneDNN rounds a row the same way for any number of rows from two up). So in bfloat16, plain and
+speculative greedy decoding give the same tokens at every batch size. The tests check the
+premise on this CPU first and skip, with the reason, where it does not hold.
+
+The transformers forward (model_impl "transformers") gets there only with
+`EngineConfig.attention = "eager"` and the step's key length aligned to tree_batch.KV_ALIGN, and
+only on CPUs whose bf16 matmul computes a row the same way whatever the number of rows, one row
+included (checked first; those tests skip elsewhere, with the reason). PyTorch's fused SDPA
+kernel does neither: its rounding changes with the number of query rows
+(bench/batch_invariance.py measures both).
 """
 
 import numpy as np
@@ -32,10 +38,31 @@ def bf16_matmul_is_row_invariant() -> bool:
     return True
 
 
-pytestmark = pytest.mark.skipif(not bf16_matmul_is_row_invariant(),
-                                reason="this CPU's bf16 matmul rounds a row differently with "
-                                "the number of rows: eager attention cannot make a step "
-                                "batch-invariant here")
+def packed_bf16_products_are_row_invariant() -> bool:
+    """The decoder's prepacked products, every projection shape of the default model, from two
+    rows up, on several inputs."""
+    from sssd.verifier.engine.decoder import Linear, _oneDNN_usable
+
+    if not _oneDNN_usable(torch.bfloat16, torch.device("cpu")):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    for features, outputs in ((576, 1728), (576, 3072), (1536, 576), (576, 576)):
+        linear = Linear(torch.randn(outputs, features, generator=generator).bfloat16(), None,
+                        pack=True)
+        for _ in range(10):
+            rows = (3 * torch.randn(48, features, generator=generator)).bfloat16()
+            pair = linear(rows[:2])[0]
+            if not all(torch.equal(linear(rows[:m])[0], pair) for m in (3, 8, 17, 48)):
+                return False
+    return True
+
+
+eager_invariant = pytest.mark.skipif(
+    not bf16_matmul_is_row_invariant(), reason="this CPU's bf16 matmul rounds a row differently "
+    "with the number of rows: eager attention cannot make a step batch-invariant here")
+own_invariant = pytest.mark.skipif(
+    not packed_bf16_products_are_row_invariant(), reason="this CPU's prepacked bf16 products "
+    "round a row differently with the number of rows")
 
 
 def chain(root: int, length: int) -> DraftTree:
@@ -43,20 +70,60 @@ def chain(root: int, length: int) -> DraftTree:
     return DraftTree(np.array(tokens, np.int32), np.arange(-1, length, dtype=np.int32))
 
 
+def check_row_independence(runner, mt_bench_prompts):
+    root = int(runner.prefill(0, mt_bench_prompts[0]).argmax())
+    runner.prefill(1, mt_bench_prompts[1])
+    alone = runner.verify([chain(root, 0)])[0, 0]
+    for length in (1, 7, 31):
+        assert torch.equal(runner.verify([chain(root, length)])[0, 0], alone), length
+        assert torch.equal(runner.verify([chain(root, length), chain(7, length)])[0, 0], alone)
+
+
+@own_invariant
+def test_own_forward_a_rows_logits_do_not_depend_on_tree_or_batch(target_model_bf16,
+                                                                   mt_bench_prompts):
+    runner = ModelRunner(target_model_bf16.model, max_seqs=2, max_len=512, model_impl="sssd")
+    check_row_independence(runner, mt_bench_prompts)
+
+
+@own_invariant
+def test_own_forward_bf16_greedy_is_the_same_plain_and_speculative_at_every_batch_size(
+        target_model_bf16, mt_bench_prompts, engine_factory, warm_datastore):
+    # Alone, then three at a time: rows see other rows of other lengths join and leave; with a
+    # drafter, trees of every shape around the accepted path.
+    prompts = mt_bench_prompts[:4]
+    reference = None
+    for proposer in (None, "inproc"):
+        for batch_size in (1, 3):
+            engine, drafter = engine_factory(batch_size, proposer=proposer,
+                                             loaded=target_model_bf16,
+                                             datastore_dir=warm_datastore, model_impl="sssd")
+            try:
+                outputs = engine.generate(prompts, max_tokens=48)
+            finally:
+                if drafter is not None:
+                    drafter.close()
+            assert engine.runner.impl == "sssd"
+            if proposer is not None:
+                assert engine.stats.num_accepted > 0  # the trees did hold accepted tokens
+            if reference is None:
+                reference = outputs
+                continue
+            for index, (expected, got) in enumerate(zip(reference, outputs)):
+                assert got == expected, (proposer, batch_size, index)
+
+
+@eager_invariant
 def test_a_rows_logits_do_not_depend_on_tree_or_batch(target_model_bf16, mt_bench_prompts):
-    runner = ModelRunner(target_model_bf16.model, max_seqs=2, max_len=512, attention="eager")
+    runner = ModelRunner(target_model_bf16.model, max_seqs=2, max_len=512, attention="eager",
+                         model_impl="transformers")
     try:
-        root = int(runner.prefill(0, mt_bench_prompts[0]).argmax())
-        runner.prefill(1, mt_bench_prompts[1])
-        alone = runner.verify([chain(root, 0)])[0, 0]
-        for length in (1, 7, 31):
-            assert torch.equal(runner.verify([chain(root, length)])[0, 0], alone), length
-            assert torch.equal(runner.verify([chain(root, length), chain(7, length)])[0, 0],
-                               alone)
+        check_row_independence(runner, mt_bench_prompts)
     finally:
         target_model_bf16.model.set_attn_implementation("sdpa")
 
 
+@eager_invariant
 def test_bf16_plain_greedy_is_the_same_at_every_batch_size(
         target_model_bf16, mt_bench_prompts, engine_factory):
     # Alone, then three at a time: rows see other rows of other lengths join and leave.
@@ -65,7 +132,7 @@ def test_bf16_plain_greedy_is_the_same_at_every_batch_size(
     try:
         for batch_size in (1, 3):
             engine, _ = engine_factory(batch_size, proposer=None, loaded=target_model_bf16,
-                                       attention="eager")
+                                       attention="eager", model_impl="transformers")
             outputs[batch_size] = engine.generate(prompts, max_tokens=48)
     finally:
         target_model_bf16.model.set_attn_implementation("sdpa")

@@ -1,4 +1,5 @@
-"""Greedy exactness: speculative output equals transformers' generate(), token for token.
+"""Greedy exactness: speculative output equals transformers' generate(), token for token, with
+the verifier's own forward pass (the default) and with the transformers forward.
 
 float32 so that numerical near-ties cannot hide a bug.
 """
@@ -19,12 +20,16 @@ def measured_policy():
 
 # Batch 1 runs a prompt at a time, so fewer prompts cover it (CI time); every prompt of the
 # session's set runs in the batched cases, where requests of mixed lengths join and leave.
-@pytest.mark.parametrize("batch_size,datastore,policy,num_prompts", [
-    (1, "empty", "rule", 4), (1, "warm", "rule", 6), (4, "empty", "rule", 8),
-    (4, "warm", "measured", 8)])
+@pytest.mark.parametrize("batch_size,datastore,policy,num_prompts,model_impl", [
+    (1, "empty", "rule", 4, "sssd"), (1, "warm", "rule", 6, "sssd"),
+    (4, "empty", "rule", 8, "sssd"), (4, "warm", "measured", 8, "sssd"),
+    (4, "warm", "rule", 8, "transformers")])
 def test_sssd_greedy_equals_generate(engine_factory, mt_bench_prompts, greedy_references,
-                                     warm_datastore, batch_size, datastore, policy, num_prompts):
-    engine, drafter = engine_factory(batch_size, warm_datastore if datastore == "warm" else None)
+                                     warm_datastore, batch_size, datastore, policy, num_prompts,
+                                     model_impl):
+    engine, drafter = engine_factory(batch_size, warm_datastore if datastore == "warm" else None,
+                                     model_impl=model_impl)
+    assert engine.runner.impl == model_impl
     if policy == "measured":
         engine.budget_policy = measured_policy()
     try:
@@ -42,8 +47,11 @@ def test_sssd_greedy_equals_generate(engine_factory, mt_bench_prompts, greedy_re
         assert len(engine.stats.budget_counts) >= 2  # the budget did change between steps
 
 
-def test_autoregressive_mode_equals_generate(engine_factory, mt_bench_prompts, greedy_references):
-    engine, _ = engine_factory(4, proposer=None)
+@pytest.mark.parametrize("model_impl", ["sssd", "transformers"])
+def test_autoregressive_mode_equals_generate(engine_factory, mt_bench_prompts, greedy_references,
+                                             model_impl):
+    engine, _ = engine_factory(4, proposer=None, model_impl=model_impl)
+    assert engine.runner.impl == model_impl
     outputs = engine.generate(mt_bench_prompts[:6], max_tokens=64)
     assert outputs == greedy_references[:6]
     assert engine.stats.num_accepted == 0

@@ -1,0 +1,337 @@
+"""The verifier's own forward pass for decoder-only transformers of the Llama and Qwen2 families
+(SmolLM2, Qwen2.5): the transformers model is the weight loader and the exactness reference, and
+this is what runs every step.
+
+A step of a small model on a CPU costs more in dispatch than in arithmetic when it goes through
+the transformers modules, and a plain `linear` streams the weights at a fraction of the memory
+bandwidth. Here each layer is a handful of tensor operations on weights prepared once:
+- query, key and value projections fused into one matrix, gate and up projections into another,
+  so a layer makes four matrix products;
+- on CPUs with oneDNN, every weight prepacked in its blocked layout, which reads the weights at
+  about twice the bandwidth of a plain `linear` and keeps a step nearly flat up to 8-16 rows;
+- rotary cosines and sines tabulated once for every cache position, by the model's own rotary
+  module, so the positions are those of transformers (and every rope scaling it implements);
+- attention over the slot KV cache, each node seeing the cached prefix, its ancestors and itself
+  (the tree as a 64-bit mask per node: no mask tensor is built for a step);
+- logits only for the rows asked for;
+- on CPUs, what runs between the matrix products in one call each (sssd._kernels: RMSNorm with
+  the residual add, rotary embedding with the cache write, attention, SiLU and product), where
+  PyTorch would dispatch a dozen small operations per layer, each costing more than its work.
+
+`Decoder.supports(model)` says whether a model can run here; the model runner falls back to the
+transformers forward otherwise, and logs why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sssd import _kernels
+from sssd.common.model.kv_cache import SlotKVCache
+from sssd.verifier.engine.tree_batch import TreeBatch
+
+FAMILIES = ("llama", "qwen2")
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # sssd._kernels' Dtype
+
+
+class UnsupportedModel(ValueError):
+    """The model's architecture or one of its options is not implemented here."""
+
+
+def _oneDNN_usable(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and \
+        torch.backends.mkldnn.is_available()
+
+
+class Linear:
+    """y = x W^T (+ b) for x [num_rows, in_features]; the weight prepacked for oneDNN when
+    `pack` (CPU, float32 or bfloat16), else a plain `linear`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
+        self.out_features = weight.shape[0]  # weight: [out_features, in_features]
+        self.bias = None if bias is None else bias.contiguous()
+        self.packed = pack
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) \
+            if pack else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor  # [hidden_size]
+    qkv: Linear  # -> [(num_heads + 2 num_kv_heads) head_dim]
+    o: Linear  # -> [hidden_size]
+    post_norm: torch.Tensor  # [hidden_size]
+    gate_up: Linear  # -> [2 intermediate_size]
+    down: Linear  # -> [hidden_size]
+
+
+def _cat_bias(*modules: torch.nn.Module) -> torch.Tensor | None:
+    biases = [m.bias for m in modules]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b if b is not None else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype,
+                                                          device=m.weight.device)
+                      for b, m in zip(biases, modules)])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers' Llama/Qwen2 RMSNorm: in float32, then back to x's dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention by two matrix products, the query heads of a key head side by side (no copy
+    of the keys per query head) and the softmax in float32.
+
+    q [num_seqs, heads, num_nodes, head_dim], keys and values [num_seqs, kv_heads, kv_len,
+    head_dim], mask [num_seqs, 1, num_nodes, kv_len] additive; returns [num_seqs, heads,
+    num_nodes, head_dim]. On CPUs, PyTorch's fused bfloat16 kernel takes about ten times as
+    long for a few queries over a long cache (2 ms against 0.2 ms a layer at 8 x 1 x 384)."""
+    num_seqs, num_heads, num_nodes, head_dim = q.shape
+    num_kv_heads, kv_len = keys.shape[1], keys.shape[2]
+    group = num_heads // num_kv_heads
+    scores = torch.matmul(q.reshape(num_seqs, num_kv_heads, group * num_nodes, head_dim),
+                          keys.transpose(-1, -2))  # [num_seqs, kv_heads, group * nodes, kv_len]
+    scores = scores.view(num_seqs, num_kv_heads, group, num_nodes, kv_len).float() * scale \
+        + mask.view(num_seqs, 1, 1, num_nodes, kv_len)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    attended = torch.matmul(probs.view(num_seqs, num_kv_heads, group * num_nodes, kv_len),
+                            values)  # [num_seqs, kv_heads, group * nodes, head_dim]
+    return attended.view(num_seqs, num_heads, num_nodes, head_dim)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [num_seqs, heads, num_nodes, head_dim], halves rotated."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Decoder:
+    """The forward pass of a Llama or Qwen2 causal LM over the slot KV cache."""
+
+    def __init__(self, model: torch.nn.Module, pack: bool | None = None,
+                 fused: bool | None = None) -> None:
+        """`model`: a transformers LlamaForCausalLM or Qwen2ForCausalLM (UnsupportedModel
+        otherwise); its weights are shared, or copied into prepacked form when `pack` (default:
+        where oneDNN can run them). `fused`: the layer's small operations by sssd._kernels
+        (default: on the CPU, in float32 or bfloat16)."""
+        self.check(model)
+        config = model.config
+        inner = model.model
+        weight = inner.embed_tokens.weight
+        self.dtype, self.device = weight.dtype, weight.device
+        pack = _oneDNN_usable(self.dtype, self.device) if pack is None else pack
+        self.pack = pack
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or \
+            config.hidden_size // config.num_attention_heads
+        self.eps = config.rms_norm_eps
+        self.rotary = inner.rotary_emb  # transformers' positions, cos and sin, exactly
+        self.embed = weight  # [vocab_size, hidden_size]
+        self.layers = []
+        for layer in inner.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            qkv = (attention.q_proj, attention.k_proj, attention.v_proj)
+            self.layers.append(_Layer(
+                input_norm=layer.input_layernorm.weight,
+                qkv=Linear(torch.cat([m.weight for m in qkv]), _cat_bias(*qkv), pack),
+                o=Linear(attention.o_proj.weight, attention.o_proj.bias, pack),
+                post_norm=layer.post_attention_layernorm.weight,
+                gate_up=Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                               _cat_bias(mlp.gate_proj, mlp.up_proj), pack),
+                down=Linear(mlp.down_proj.weight, mlp.down_proj.bias, pack)))
+        self.norm = inner.norm.weight
+        head = model.get_output_embeddings()
+        self.lm_head = Linear(head.weight, head.bias, pack)
+        self.vocab_size = head.weight.shape[0]
+        self.intermediate_size = inner.layers[0].mlp.gate_proj.weight.shape[0]
+        self.scale = self.head_dim ** -0.5
+        # PyTorch's fused kernel where it is fast and matches transformers' float32 logits to
+        # rounding; two matrix products in bfloat16 on the CPU (see grouped_attention).
+        self.fused_attention = not (self.device.type == "cpu" and self.dtype == torch.bfloat16)
+        self.fused = fused if fused is not None else \
+            self.device.type == "cpu" and self.dtype in DTYPE_CODES
+        self.hidden_size = config.hidden_size
+        empty = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
+        self._cos, self._sin = empty, empty  # rotary_tables
+
+    @staticmethod
+    def check(model: torch.nn.Module) -> None:
+        """Raises UnsupportedModel, naming what is not implemented here."""
+        config = model.config
+        family = getattr(config, "model_type", None)
+        if family not in FAMILIES:
+            raise UnsupportedModel(f"model type {family!r} (implemented: {', '.join(FAMILIES)})")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise UnsupportedModel(f"activation {config.hidden_act!r} (implemented: silu)")
+        if getattr(config, "use_sliding_window", False):
+            raise UnsupportedModel("sliding-window attention")
+        if getattr(config, "pretraining_tp", 1) != 1:
+            raise UnsupportedModel(f"pretraining_tp {config.pretraining_tp}")
+        rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+        rope_type = getattr(rotary, "rope_type", "default")
+        if rotary is None or "dynamic" in rope_type:
+            raise UnsupportedModel(f"rope type {rope_type!r} (its frequencies change with length)")
+
+    @staticmethod
+    def supports(model: torch.nn.Module) -> str | None:
+        """None when the model runs here, else why not."""
+        try:
+            Decoder.check(model)
+        except UnsupportedModel as exc:
+            return str(exc)
+        return None
+
+    def forward(self, batch: TreeBatch, cache: SlotKVCache, first_slot: int,
+                logits_to_keep: int = 0) -> torch.Tensor:
+        """The step `batch` over cache slots [first_slot, first_slot + batch size): writes every
+        node's keys and values at the batch's write positions. Returns logits [num_seqs,
+        num_nodes or logits_to_keep, vocab_size] in the model's dtype (`logits_to_keep`: only
+        the last positions of each row; 0: all)."""
+        num_seqs, num_nodes = batch.input_ids.shape
+        num_tokens = num_seqs * num_nodes
+        if self.fused:
+            x = self._layers_fused(batch, cache, first_slot)[:num_tokens]
+        else:
+            cache.begin_step(first_slot, num_seqs, batch.write_positions, batch.kv_len)
+            x = self._layers(batch, cache)
+        x = x.view(num_seqs, num_nodes, -1)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        rows = x.shape[1]
+        x = x.reshape(num_seqs * rows, -1)
+        if not self.fused:  # the fused path ends with the final norm applied
+            x = rms_norm(x, self.norm, self.eps)
+        if self.pack and x.shape[0] == 1:  # see _layers_fused: one row is rounded differently
+            return self.lm_head(x.expand(2, -1))[:1].view(1, 1, self.vocab_size)
+        return self.lm_head(x).view(num_seqs, rows, self.vocab_size)
+
+    def rotary_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [length, head_dim] in the model's dtype, by the model's own rotary module
+        (every product of its outer product is one multiplication: the same values as it gives
+        step by step); grown to the cache's capacity on first use."""
+        if self._cos.shape[0] < length:
+            positions = torch.arange(length, device=self.device).unsqueeze(0)
+            probe = torch.empty(1, 1, dtype=self.dtype, device=self.device)
+            cos, sin = self.rotary(probe, positions)  # [1, length, head_dim]
+            self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()
+        return self._cos, self._sin
+
+    def _layers(self, batch: TreeBatch, cache: SlotKVCache) -> torch.Tensor:
+        """Every layer as PyTorch operations; returns the hidden states [num_tokens, hidden]."""
+        num_seqs, num_nodes = batch.input_ids.shape
+        num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        cos_table, sin_table = self.rotary_tables(cache.capacity)
+        # [num_seqs, 1, num_nodes, head_dim]: broadcast over heads
+        cos = cos_table[batch.position_ids].unsqueeze(1)
+        sin = sin_table[batch.position_ids].unsqueeze(1)
+        mask = batch.attention_mask
+        x = F.embedding(batch.input_ids.reshape(-1), self.embed)  # [num_tokens, hidden_size]
+        q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(rms_norm(x, layer.input_norm, self.eps))  # [num_tokens, ...]
+            q, k, v = qkv.split((q_width, kv_width, kv_width), dim=-1)
+            # [num_seqs, heads, num_nodes, head_dim]
+            q = rotate(q.view(num_seqs, num_nodes, num_heads, head_dim).transpose(1, 2), cos,
+                       sin)
+            k = rotate(k.view(num_seqs, num_nodes, num_kv_heads, head_dim).transpose(1, 2),
+                       cos, sin)
+            v = v.view(num_seqs, num_nodes, num_kv_heads, head_dim).transpose(1, 2)
+            keys, values = cache.update(k, v, index)  # [num_seqs, kv_heads, kv_len, head_dim]
+            if self.fused_attention:  # [num_seqs, heads, num_nodes, head_dim]
+                attended = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=mask, scale=self.scale,
+                    enable_gqa=num_kv_heads != num_heads)
+            else:
+                attended = grouped_attention(q, keys, values, mask, self.scale)
+            x = x + layer.o(attended.transpose(1, 2).reshape(num_seqs * num_nodes, q_width))
+            gate, up = layer.gate_up(rms_norm(x, layer.post_norm, self.eps)).split(
+                self.intermediate_size, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        return x
+
+    def _layers_fused(self, batch: TreeBatch, cache: SlotKVCache,
+                      first_slot: int) -> torch.Tensor:
+        """Every layer with sssd._kernels between the matrix products; returns the final norm
+        of the hidden states [num_tokens, hidden_size], or [2, hidden_size] for one token.
+
+        oneDNN computes a row of a product the same way whatever the number of rows, from two
+        rows up; a single row goes through a matrix-vector kernel that rounds differently. So a
+        one-token step runs its products on two rows (the token twice; the cost is the same,
+        the weights are read once either way), and with the attention kernel's result
+        depending only on the keys a node sees, a sequence's logits do not depend on the other
+        sequences in the batch nor on the draft tree around a node: plain and speculative
+        decoding give the same tokens in bfloat16 too, at every batch size."""
+        num_seqs, num_nodes = batch.input_ids.shape
+        num_tokens = num_seqs * num_nodes
+        num_rows = max(num_tokens, 2) if self.pack else num_tokens
+        num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        code, eps, hidden, capacity = DTYPE_CODES[self.dtype], self.eps, self.hidden_size, \
+            cache.capacity
+        if first_slot < 0 or first_slot + num_seqs > cache.max_seqs:
+            raise ValueError(f"slots [{first_slot}, {first_slot + num_seqs}) outside the cache's "
+                             f"{cache.max_seqs}")
+        if batch.kv_len > capacity:
+            raise ValueError(f"step needs {batch.kv_len} cache positions, the cache holds "
+                             f"{capacity}")
+        cos, sin = self.rotary_tables(capacity)
+        positions, cache_lens = batch.position_ids, batch.cache_lens  # int64, contiguous
+        tree_bits = batch.tree_bits  # None beyond MAX_TREE_NODES: attention by matrix products
+        ids = batch.input_ids.reshape(-1)
+        if num_rows > num_tokens:
+            ids = ids.expand(num_rows)
+        x = F.embedding(ids, self.embed)  # [num_rows, hidden_size]
+        normed = torch.empty_like(x)
+        queries = torch.zeros(num_rows, num_heads * head_dim, dtype=self.dtype)
+        attended = torch.zeros(num_rows, num_heads * head_dim, dtype=self.dtype)
+        activated = torch.empty(num_rows, self.intermediate_size, dtype=self.dtype)
+        x_ptr, normed_ptr, queries_ptr, attended_ptr, activated_ptr = (
+            t.data_ptr() for t in (x, normed, queries, attended, activated))
+        _kernels.rms_norm(x_ptr, self.layers[0].input_norm.data_ptr(), normed_ptr, num_rows,
+                          hidden, eps, code)
+        for index, layer in enumerate(self.layers):
+            keys, values = cache.keys[index], cache.values[index]
+            qkv = layer.qkv(normed)  # [num_rows, (heads + 2 kv_heads) head_dim]
+            _kernels.rope_and_store(
+                qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+                queries_ptr, keys.data_ptr(), values.data_ptr(), cache_lens.data_ptr(),
+                first_slot, num_seqs, num_nodes, num_heads, num_kv_heads, head_dim, capacity,
+                code)
+            if tree_bits is not None:
+                _kernels.attention(
+                    queries_ptr, keys.data_ptr(), values.data_ptr(), cache_lens.data_ptr(),
+                    tree_bits.data_ptr(), attended_ptr, first_slot, num_seqs, num_nodes,
+                    num_heads, num_kv_heads, head_dim, capacity, self.scale, code)
+            else:  # a prompt: two matrix products over the cache's view
+                rows = slice(first_slot, first_slot + num_seqs)
+                q = queries.view(num_seqs, num_nodes, num_heads, head_dim).transpose(1, 2)
+                out = grouped_attention(
+                    q, keys[rows, :, :batch.kv_len], values[rows, :, :batch.kv_len],
+                    batch.attention_mask, self.scale)  # [num_seqs, heads, nodes, head_dim]
+                attended[:num_tokens].copy_(out.transpose(1, 2).reshape(num_tokens, -1))
+            # Every tensor a kernel reads is held by a name until the call returns.
+            projected = layer.o(attended)  # [num_rows, hidden_size]
+            _kernels.add_rms_norm(x_ptr, projected.data_ptr(), layer.post_norm.data_ptr(),
+                                  normed_ptr, num_rows, hidden, eps, code)
+            gate_up = layer.gate_up(normed)  # [num_rows, 2 intermediate_size]
+            _kernels.silu_mul(gate_up.data_ptr(), activated_ptr, num_rows,
+                              self.intermediate_size, code)
+            projected = layer.down(activated)
+            following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) \
+                else self.norm
+            _kernels.add_rms_norm(x_ptr, projected.data_ptr(), following.data_ptr(), normed_ptr,
+                                  num_rows, hidden, eps, code)
+        return normed

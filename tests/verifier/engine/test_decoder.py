@@ -1,0 +1,135 @@
+"""The verifier's own forward pass (decoder.py) against the transformers forward it replaces:
+the same logits in float32 on the served model and on small random Llama and Qwen2 models (the
+Qwen2 one with its projection biases), on each of its paths, and the fallback for an
+architecture it does not implement."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from sssd.common.drafting.draft_tree import DraftTree
+from sssd.verifier.engine.decoder import Decoder, UnsupportedModel
+from sssd.verifier.engine.model_runner import ModelRunner
+
+# float32 logits of the two forward passes differ by the order of their sums only: measured
+# below 1e-4 on SmolLM2 (logits of magnitude ~20).
+LOGITS_TOLERANCE = 5e-4
+
+
+def random_trees(rng, num_trees, num_nodes, vocab_size):
+    trees = []
+    for _ in range(num_trees):
+        parents = [-1] + [int(rng.integers(0, j)) for j in range(1, num_nodes)]
+        tokens = rng.integers(0, vocab_size, num_nodes).astype(np.int32)
+        trees.append(DraftTree(tokens, np.array(parents, np.int32)))
+    return trees
+
+
+def compare_runners(model, prompts, variants, rng, steps=((2, 8), (2, 1), (1, 40), (2, 80))):
+    """Prefills `prompts` and verifies random trees in a transformers runner and in one runner
+    per Decoder variant; asserts equal logits (to rounding) and equal argmax where the top two
+    logits are apart. (1, 40): one long chain; (2, 80): trees past the kernel's 64 nodes."""
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    reference = ModelRunner(model, max_seqs=len(prompts), max_len=512, model_impl="transformers")
+    runners = []
+    for options in variants:
+        runner = ModelRunner(model, max_seqs=len(prompts), max_len=512, model_impl="sssd")
+        runner.decoder = Decoder(model, **options)
+        runners.append(runner)
+    for slot, prompt in enumerate(prompts):
+        expected = reference.prefill(slot, prompt)
+        for runner in runners:
+            assert (runner.prefill(slot, prompt) - expected).abs().max() < LOGITS_TOLERANCE
+    for num_seqs, num_nodes in steps:
+        trees = random_trees(rng, num_seqs, num_nodes, vocab_size)
+        expected = reference.verify(trees).float()
+        top2 = expected.topk(2, dim=-1).values
+        clear = (top2[..., 0] - top2[..., 1]) > 1e-3
+        for runner, options in zip(runners, variants):
+            got = runner.verify(trees).float()
+            assert (got - expected).abs().max() < LOGITS_TOLERANCE, (options, num_nodes)
+            assert torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear])
+        # Keep a random path, as the engine does, so that later steps see a ragged cache.
+        accepted = [list(range(1, int(rng.integers(1, min(num_nodes, 4) + 1))))
+                    for _ in trees]
+        accepted = [[node for node in path if _is_chain_prefix(tree, path)] for tree, path in
+                    zip(trees, accepted)]
+        for runner in [reference] + runners:
+            runner.commit(accepted)
+
+
+def _is_chain_prefix(tree, path):
+    return all(int(tree.parents[node]) == node - 1 for node in path)
+
+
+VARIANTS = [{}, {"fused": False}, {"fused": False, "pack": False}]
+VARIANT_IDS = ["fused-kernels", "torch-ops", "torch-ops-unpacked"]
+
+
+def test_served_model_matches_transformers_in_float32(target_model_fp32, mt_bench_prompts):
+    compare_runners(target_model_fp32.model, mt_bench_prompts[:2], VARIANTS,
+                    np.random.default_rng(0))
+
+
+def tiny_model(family, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
+                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    settings = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                    tie_word_embeddings=family == "qwen2")
+    settings.update(overrides)
+    torch.manual_seed(0)
+    model = model_class(config_class(**settings)).eval()
+    with torch.no_grad():  # biases are zero at initialisation: make them count
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_llama_and_qwen2_match_transformers(family):
+    model = tiny_model(family)
+    if family == "qwen2":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    prompts = [list(range(3, 70)), list(range(100, 117))]
+    compare_runners(model, prompts, VARIANTS, np.random.default_rng(1))
+
+
+def test_rotary_tables_are_the_models_own_values(target_model_fp32):
+    model = target_model_fp32.model
+    decoder = Decoder(model)
+    cos_table, sin_table = decoder.rotary_tables(300)
+    probe = torch.empty(1, 1)
+    for start in (0, 17, 255):  # a step's positions, as transformers computes them
+        positions = torch.arange(start, start + 9).unsqueeze(0)
+        cos, sin = model.model.rotary_emb(probe, positions)
+        assert torch.equal(cos_table[start:start + 9], cos[0])
+        assert torch.equal(sin_table[start:start + 9], sin[0])
+
+
+def test_an_unimplemented_architecture_falls_back_with_a_log_line(caplog):
+    model = tiny_model("llama", hidden_act="gelu")
+    assert "activation 'gelu'" in Decoder.supports(model)
+    with caplog.at_level(logging.INFO, logger="sssd.verifier.engine.model_runner"):
+        runner = ModelRunner(model, max_seqs=1, max_len=64, model_impl="auto")
+    assert runner.impl == "transformers"
+    assert "does not implement activation 'gelu'" in caplog.text
+    with pytest.raises(UnsupportedModel, match="activation 'gelu'"):
+        ModelRunner(model, max_seqs=1, max_len=64, model_impl="sssd")
+    with pytest.raises(ValueError, match="model_impl must be one of"):
+        ModelRunner(model, max_seqs=1, max_len=64, model_impl="vllm")
+    assert ModelRunner(tiny_model("llama"), max_seqs=1, max_len=64).impl == "sssd"
+
+
+def test_a_step_that_does_not_fit_is_refused(target_model_fp32):
+    # The engine never asks for this (it checks each slot's room first): the decoder refuses
+    # rather than write past the cache.
+    runner = ModelRunner(target_model_fp32.model, max_seqs=1, max_len=128, model_impl="sssd")
+    runner.prefill(0, list(range(10, 110)))
+    with pytest.raises(ValueError, match="cache positions"):
+        runner.verify(random_trees(np.random.default_rng(0), 1, 40, 1000))
