@@ -84,9 +84,10 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_import_tree_is_the_source_tree():
     """An editable install: every sssd module is imported from services/, where it is edited
-    (the compiled core included, which scripts/build_core.sh puts there)."""
-    code = ("import json, sssd, sssd._core, sssd.v1.generate_pb2, sssd.verifier.engine.engine; "
-            "print(json.dumps([sssd.__file__, sssd._core.__file__, "
+    (the compiled modules included, which scripts/build_core.sh puts there)."""
+    code = ("import json, sssd, sssd._core, sssd._kernels, sssd.v1.generate_pb2, "
+            "sssd.verifier.engine.engine; "
+            "print(json.dumps([sssd.__file__, sssd._core.__file__, sssd._kernels.__file__, "
             "sssd.v1.generate_pb2.__file__, sssd.verifier.engine.engine.__file__]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, cwd="/")

@@ -1,8 +1,10 @@
 """sssd.verifier.engine: the target model's decoding engine, pure compute.
 
-Model runner, slot KV cache, tree batches, acceptance, sampling, the scheduler, the budget
-policy and the step that ties them together. No grpc, no Ray, no C++ extension: drafting
-sources meet the engine through `sssd.common.drafting.proposer.Proposer` (drafting.py).
+Model runner and its own forward pass for Llama and Qwen2 models (decoder.py, with the fused
+CPU operations of kernels/, the C++ module sssd._kernels), slot KV cache, tree batches,
+acceptance, sampling, the scheduler, the budget policy and the step that ties them together.
+No grpc, no Ray, no drafter: drafting sources meet the engine through
+`sssd.common.drafting.proposer.Proposer` (drafting.py).
 
 The names below are imported on first use, so `sssd.verifier.engine.config` and `.request`
 stay free of torch for the processes that only configure or validate.

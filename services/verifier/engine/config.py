@@ -33,17 +33,18 @@ class EngineConfig:
                         choices=DTYPES)
     model_impl: str = option(
         "auto", "the forward pass; sssd: the verifier's own (Llama and Qwen2 models: fused "
-        "projections, prepacked weights, its own attention kernel; 1.5-2.5x faster per step on "
-        "a CPU); transformers: the transformers model's forward over the same cache (every "
-        "architecture; the tests' reference); auto: sssd where the architecture is implemented, "
-        "else transformers, with a log line saying why", choices=MODEL_IMPLS)
+        "projections, prepacked weights, its own attention kernel; 2-3.5x faster per step on "
+        "a CPU, and bfloat16 answers that do not depend on the batch); transformers: the "
+        "transformers model's forward over the same cache (every architecture; the tests' "
+        "reference); auto: sssd where the architecture is implemented, else transformers, with "
+        "a log line saying why", choices=MODEL_IMPLS)
     attention: str = option(
         "sdpa", "attention kernel of the transformers forward (model_impl transformers); sdpa: "
         "PyTorch's fused kernel (fastest); eager: slower (about 1.1-1.5x per step on a 2-core "
         "CPU), but a row's result no longer depends on the number of rows beside it, so "
-        "bfloat16 plain decoding gives the same answer at every batch size "
-        "(bench/batch_invariance.py); float32 is the exact mode either way. The sssd forward's "
-        "own attention is independent of the rows beside it by construction",
+        "bfloat16 plain decoding gives the same answer at every batch size on CPUs whose bf16 "
+        "matmul allows it (bench/batch_invariance.py). The sssd forward is batch-invariant by "
+        "construction",
         choices=ATTENTIONS)
     mode: str = option("sssd", "ar: no speculation; prompt_lookup: input trie only; sssd: "
                        "input trie + datastore; ssd: the speculator service (--speculator), "
