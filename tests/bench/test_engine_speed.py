@@ -1,0 +1,40 @@
+"""bench/engine_speed.py end to end on the default model, its smallest run: each system in its
+own process, JSON lines, the same tokens as the engine, the PNG (vLLM is left out here: its
+environment is .venv-vllm, which tests/vllm covers)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import engine_speed  # noqa: E402
+
+
+@pytest.mark.model
+def test_the_smallest_run_prints_a_row_per_system(tmp_path, capsys):
+    out = tmp_path / "speed.jsonl"
+    engine_speed.main(["--models", "smollm2", "--dtypes", "float32", "--batch-sizes", "2",
+                       "--prompts", "2", "--max-tokens", "6", "--systems",
+                       "engine,engine-transformers,generate", "--speculative", "",
+                       "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["system"] for r in rows] == ["engine", "engine-transformers", "generate"]
+    engine = rows[0]
+    assert engine["impl"] == "sssd" and rows[1]["impl"] == "transformers"
+    assert engine["ms_per_step"] > 0 and engine["floor_ms_per_step"] > 0
+    for row in rows:
+        assert row["num_tokens"] > 0 and row["tokens_per_s"] > 0
+        assert row["batch_size"] == 2 and row["dtype"] == "float32"
+    # float32: the three decode the same tokens
+    assert rows[1]["identical_to_engine"] is True and rows[2]["identical_to_engine"] is True
+    assert out.with_suffix(".png").stat().st_size > 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+               if line.startswith("{")]
+    assert printed == rows
+
+
+def test_unknown_systems_are_refused():
+    with pytest.raises(SystemExit):
+        engine_speed.main(["--systems", "engine,sglang"])
