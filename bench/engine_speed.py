@@ -73,8 +73,6 @@ def model_file(name: str) -> str | None:
 
 
 def engine_worker(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
-    import torch
-
     from sssd.common.model.loader import load_causal_lm
     from sssd.verifier.engine import EngineConfig, EngineStats
     from sssd.verifier.factory import build_engine
@@ -104,7 +102,7 @@ def engine_worker(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     return {"seconds": seconds, "outputs": outputs, "impl": engine.runner.impl,
             "ms_per_step": 1000 * stats.verify_s / max(stats.num_steps, 1),
             "tokens_per_step": stats.mean_accepted_per_step if speculative else 1.0,
-            "weight_bytes": sum(weights.values()), "threads": torch.get_num_threads()}
+            "weight_bytes": sum(weights.values())}
 
 
 def generate_worker(args: argparse.Namespace, prompts: list[list[int]]) -> dict:

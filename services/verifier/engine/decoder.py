@@ -55,7 +55,7 @@ class Linear:
     `pack` (CPU, float32 or bfloat16), else a plain `linear`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
-        self.out_features = weight.shape[0]  # weight: [out_features, in_features]
+        # weight: [out_features, in_features]
         self.bias = None if bias is None else bias.contiguous()
         self.packed = pack
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) \

@@ -52,16 +52,22 @@ def compare_runners(model, prompts, variants, rng, steps=((2, 8), (2, 1), (1, 40
             assert (got - expected).abs().max() < LOGITS_TOLERANCE, (options, num_nodes)
             assert torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear])
         # Keep a random path, as the engine does, so that later steps see a ragged cache.
-        accepted = [list(range(1, int(rng.integers(1, min(num_nodes, 4) + 1))))
-                    for _ in trees]
-        accepted = [[node for node in path if _is_chain_prefix(tree, path)] for tree, path in
-                    zip(trees, accepted)]
+        accepted = [root_path(tree, int(rng.integers(0, 4))) for tree in trees]
         for runner in [reference] + runners:
             runner.commit(accepted)
 
 
-def _is_chain_prefix(tree, path):
-    return all(int(tree.parents[node]) == node - 1 for node in path)
+def root_path(tree, length):
+    """Up to `length` nodes (root excluded) of a path down from the root: what acceptance may
+    keep."""
+    path, current = [], 0
+    for node in range(1, tree.num_nodes):
+        if len(path) == length:
+            break
+        if int(tree.parents[node]) == current:
+            path.append(node)
+            current = node
+    return path
 
 
 VARIANTS = [{}, {"fused": False}, {"fused": False, "pack": False}]
