@@ -121,7 +121,8 @@ class Stack:
                                cpus_per_worker=0.5, object_store_bytes=256 << 20)
         self.spool = work / "spool"  # one directory per decode worker under it
         publish = PublishConfig(self.redis.url, str(self.spool), stream=STREAM)
-        frontend = start_frontend(FrontendConfig(engine=engine, port=0, max_requests=64,
+        frontend = start_frontend(FrontendConfig(engine=engine, port=0, http_port=0,
+                                                 max_requests=64,
                                                  max_workers=80, grace_s=10.0, ray=ray_config,
                                                  publish=publish))
         frontend.load()

@@ -152,7 +152,8 @@ def start_stack(args) -> tuple[str, callable]:
                           drafter_target=f"127.0.0.1:{args.drafter_port}")
     ray = None if args.single_process else RayConfig(dashboard_port=0,
                                                      metrics_port=args.metrics_port)
-    frontend = start_frontend(FrontendConfig(engine=engine, port=0, max_requests=256,
+    frontend = start_frontend(FrontendConfig(engine=engine, port=0, http_port=0,
+                                             max_requests=256,
                                              max_workers=300, ray=ray))
     frontend.load()
 

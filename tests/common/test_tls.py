@@ -100,7 +100,8 @@ def test_speculator_and_generate_api_serve_mutual_tls(spawn_service, pki):
     # The Generate API binds its port before loading the model (health NOT_SERVING meanwhile):
     # the handshake is what is tested here; the process is killed at teardown.
     _, port = spawn_service([str(Path(sys.executable).with_name("sssd")), "serve", "--port", "0",
-                             "--dtype", "float32"] + server_flags(pki), drain=True)
+                             "--http-port", "0", "--dtype", "float32"] + server_flags(pki),
+                            drain=True)
     assert_only_mutual_tls_gets_in(port, pki)
 
 

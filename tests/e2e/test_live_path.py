@@ -36,7 +36,7 @@ def test_api_conversations_become_drafts(tmp_path, target_model_fp32):
     engine = EngineConfig(dtype="float32", mode="sssd", max_batch_size=2, max_len=512,
                           datastore_dir=str(datastore), budget_policy="rule")
     frontend = start_frontend(FrontendConfig(
-        engine=engine, port=0, max_requests=2, max_workers=4,
+        engine=engine, port=0, http_port=0, max_requests=2, max_workers=4,
         publish=PublishConfig(redis_server.url, str(tmp_path / "spool"), stream=stream)))
     try:
         frontend.load(target_model_fp32)
@@ -87,7 +87,7 @@ def test_redis_down_while_requests_run_loses_no_request_and_no_conversation(
     engine = EngineConfig(dtype="float32", mode="prompt_lookup", max_batch_size=2, max_len=256,
                           budget_policy="rule")
     frontend = start_frontend(FrontendConfig(
-        engine=engine, port=0, max_requests=2, max_workers=4,
+        engine=engine, port=0, http_port=0, max_requests=2, max_workers=4,
         publish=PublishConfig(redis_server.url, str(tmp_path / "spool"), stream=stream)))
     try:
         frontend.load(target_model_fp32)

@@ -73,7 +73,7 @@ def stack(drafter_service, free_port, redis_server, tmp_path_factory):
                            dashboard_port=0, metrics_port=metrics_port, num_cpus=2,
                            cpus_per_worker=0.5, object_store_bytes=256 << 20,
                            metrics_report_interval_ms=500)
-    frontend = start_frontend(FrontendConfig(engine=engine, port=0, max_requests=3,
+    frontend = start_frontend(FrontendConfig(engine=engine, port=0, http_port=0, max_requests=3,
                                              max_workers=8, grace_s=5.0, ray=ray_config,
                                              publish=publish))
     frontend.load()

@@ -357,7 +357,8 @@ def test_the_generate_api_answers_every_fuzzed_call_clearly(spawn_service, datas
                                      fingerprint, "--port", "0", "--num-threads", "1"],
                                     drain=True)
     port = free_port()
-    process, _ = spawn_service([console("sssd"), "serve", "--port", str(port), "--dtype",
+    process, _ = spawn_service([console("sssd"), "serve", "--port", str(port), "--http-port", "0",
+                                "--dtype",
                                 "float32", "--mode", "sssd", "--drafter-target",
                                 f"127.0.0.1:{drafter_port}", "--max-tokens-limit", "8",
                                 "--default-max-tokens", "4", "--max-requests", "4",

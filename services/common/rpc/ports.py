@@ -7,6 +7,7 @@ Every service binds 127.0.0.1 by default; 0 anywhere means "let the OS pick" (te
 """
 
 GENERATE_PORT = 50061  # the public Generate API (proto/sssd/v1/generate.proto)
+HTTP_PORT = 8000  # the OpenAI-compatible HTTP API, in the same process as the Generate API
 DRAFTER_PORT = 50051  # the SSSD drafter service (proto/sssd/v1/drafter.proto)
 SPECULATOR_PORT = 50081  # the SSD speculator service (proto/sssd/v1/speculator.proto)
 INDEXER_PORT = 50071  # the indexer's gRPC health service

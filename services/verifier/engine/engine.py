@@ -153,7 +153,7 @@ class Engine:
                                      self.runner.room)
         logits, verify_s = self._verify(drafts.trees)
         results = self._accept(running, drafts.trees, logits)
-        self._emit_verified(running, results, drafts.budgets, rows)
+        self._emit_verified(running, drafts, results, rows)
         self._learn(len(running), budget, drafts, results, step_start)
         finished += self._retire()
         output = StepOutput(list(rows.values()), finished, len(results), budget, drafts.draft_s,
@@ -216,10 +216,10 @@ class Engine:
         self.runner.commit([r.accepted_nodes for r in results])
         return results
 
-    def _emit_verified(self, running: list[Sequence], results: list[AcceptResult],
-                       budgets: list[int], rows: dict[str, RowOutput]) -> None:
+    def _emit_verified(self, running: list[Sequence], drafts: Drafts,
+                       results: list[AcceptResult], rows: dict[str, RowOutput]) -> None:
         """Appends each row's accepted tokens and bonus token; one RowOutput per row."""
-        for seq, result, row_budget in zip(running, results, budgets):
+        for seq, result, row_budget, tree in zip(running, results, drafts.budgets, drafts.trees):
             seq.num_steps += 1
             seq.num_accepted += result.num_accepted
             earlier = rows.get(seq.request_id)  # admitted in this step: its prefill token
@@ -227,7 +227,8 @@ class Engine:
             if earlier is not None:
                 token_ids = earlier.token_ids + token_ids
             rows[seq.request_id] = RowOutput(seq.request_id, token_ids, seq.text,
-                                             result.num_accepted, row_budget, is_verified=True)
+                                             result.num_accepted, row_budget, is_verified=True,
+                                             num_drafted=tree.num_nodes - 1)
 
     def _learn(self, batch_size: int, budget: int, drafts: Drafts, results: list[AcceptResult],
                step_start: float) -> None:
@@ -250,7 +251,7 @@ class Engine:
             seq.output_ids.append(token)
             appended.append(token)
             reason = end_reason(token, len(seq.output_ids), seq.request.max_tokens,
-                                self.eos_token_ids)
+                                () if seq.request.ignore_eos else self.eos_token_ids)
             if reason != "stop" and seq.request.stop and self._hit_stop(seq, token):
                 reason = "stop"  # a stop string ends it before the length limit does
             elif reason is None and seq.num_tokens + 1 >= self.runner.max_len:

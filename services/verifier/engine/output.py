@@ -21,6 +21,7 @@ class RowOutput:
     num_accepted: int  # draft tokens the verification accepted (0 when not verified)
     budget: int  # this row's speculation budget in the step (1: no drafts)
     is_verified: bool  # took part in the verification forward (False: its prefill token only)
+    num_drafted: int = 0  # draft tokens the row's tree held (its nodes but the root)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS, MAX_STOP_LEN = 8, 256
@@ -69,6 +70,7 @@ class GenerateRequest:
     # The drafting source to use, one of SOURCES; "" (speculation "auto"): the server's choice,
     # by measured cost where it has several.
     source: str = ""
+    ignore_eos: bool = False  # EOS does not end the answer (benchmarks' fixed output lengths)
     # Failover (serving/ray_backend.py): the answer's tokens a worker that died already
     # streamed. The engine takes them as its output so far (prefilled with the prompt; they
     # count towards max_tokens; sampling positions, the text and the published conversation
@@ -94,6 +96,8 @@ class GenerateRequest:
                 not isinstance(s, str) or not s or len(s) > MAX_STOP_LEN for s in self.stop):
             raise InvalidRequest(f"stop: at most {MAX_STOP_STRINGS} strings of 1 to "
                                  f"{MAX_STOP_LEN} characters")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequest(f"ignore_eos: must be true or false, got {self.ignore_eos!r}")
         if self.source and self.source not in SOURCES:
             raise InvalidRequest(f"speculation: source {self.source!r} is not one of "
                                  f"{', '.join(SOURCES)} (or empty: the server's choice)")
@@ -155,7 +159,7 @@ class RequestLimits:
 
 
 def end_reason(token_id: int, num_output_tokens: int, max_tokens: int,
-               eos_token_ids: frozenset[int]) -> str | None:
+               eos_token_ids: Collection[int]) -> str | None:
     """How an answer ends at its `num_output_tokens`-th token `token_id`, as far as the token ids
     tell (the engine and the Ray backend's failover both judge by it): EOS ends it as "stop",
     reaching `max_tokens` as "length", else None. Stop strings (on the text) and the end of the

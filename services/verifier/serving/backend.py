@@ -28,6 +28,7 @@ class StepInfo:
     budget: int  # the row's speculation budget (1: none)
     draft_ms: float
     verify_ms: float
+    drafted_tokens: int = 0  # draft tokens verified in the step (the tree's nodes but its root)
 
 
 @dataclass(frozen=True)

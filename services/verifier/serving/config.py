@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sssd.common.config.flags import option
-from sssd.common.rpc.ports import GENERATE_PORT, RAY_DASHBOARD_PORT, RAY_METRICS_PORT
+from sssd.common.rpc.ports import GENERATE_PORT, HTTP_PORT, RAY_DASHBOARD_PORT, RAY_METRICS_PORT
 from sssd.verifier.engine.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -82,6 +82,13 @@ class FrontendConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = option("127.0.0.1", "address the Generate API binds")
     port: int = option(GENERATE_PORT, "the Generate API's port; 0: the OS picks")
+    http: bool = option(True, "serve the OpenAI-compatible HTTP API beside gRPC (--no-http: "
+                        "gRPC only)")
+    http_port: int = option(HTTP_PORT, "the OpenAI-compatible HTTP API's port (same address "
+                            "as the Generate API); 0: the OS picks")
+    served_model_name: str | None = option(
+        None, "the model's name in the HTTP API (`model` field, /v1/models); unset: the model "
+        "file's name")
     max_requests: int = option(64, "running + queued requests; beyond it RESOURCE_EXHAUSTED")
     max_tokens_limit: int = option(2048, "largest max_tokens a request may ask for")
     default_max_tokens: int = option(256, "max_tokens of a request that leaves it 0")
@@ -94,5 +101,9 @@ class FrontendConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError("need 1 <= default_max_tokens <= max_tokens_limit")
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if self.http and self.http_port and self.http_port == self.port:
+            raise ValueError(f"the HTTP API and the Generate API cannot share port {self.port}")
         if self.max_requests < 1 or self.max_workers <= self.max_requests:
             raise ValueError("need max_requests >= 1 and max_workers > max_requests")

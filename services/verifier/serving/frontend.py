@@ -18,21 +18,25 @@ import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sssd.common.data.corpus import conversation_token_ids
+from sssd.common.model.files import resolve_model
 from sssd.common.model.loader import load_causal_lm
 from sssd.common.model.tokenizer import load_tokenizer
 from sssd.common.rpc import tls
 from sssd.common.rpc.targets import address
 from sssd.v1 import generate_pb2, generate_pb2_grpc
 from sssd.verifier.engine.request import GenerateRequest, InvalidRequest, SamplingParams
+from sssd.verifier.serving.api_metrics import ApiMetrics
 from sssd.verifier.serving.backend import Backend, StreamEvent
 from sssd.verifier.serving.config import FrontendConfig
 from sssd.verifier.serving.errors import ErrorKind, ServingError
+from sssd.verifier.serving.openai_api import HttpServer, OpenAIApi
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +58,9 @@ STATUS_OF_KIND = {
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, config: FrontendConfig) -> None:
+    def __init__(self, config: FrontendConfig, metrics: ApiMetrics) -> None:
         self.config = config
+        self.metrics = metrics  # shared with the HTTP API: its GET /metrics covers both
         self.backend: Backend | None = None  # set once the model is loaded
         self.tokenizer = None
 
@@ -73,7 +78,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except InvalidRequest as exc:
             context.abort(STATUS_OF_KIND[ErrorKind.INVALID_ARGUMENT], str(exc))
         except ServingError as exc:
+            self.metrics.refused_request(exc.kind.value)
             context.abort(STATUS_OF_KIND[exc.kind], str(exc))
+        tracker = self.metrics.track(handle.num_prompt_tokens)
         # Runs as soon as the RPC ends for any reason (client cancel, deadline, normal end),
         # even while this thread waits for the next event; the finally covers the rest.
         context.add_callback(lambda: backend.cancel(handle.request_id))
@@ -85,12 +92,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     if not context.is_active():
                         return
                     continue
+                tracker.event(event)
                 if event.error is not None:
                     context.abort(STATUS_OF_KIND[event.error.kind], event.error.message)
                 yield to_response(event)
                 if event.totals is not None:
                     return
         finally:
+            tracker.end("abort")  # a no-op once it ended
             backend.cancel(handle.request_id)  # a no-op once the request finished
 
     def parse(self, request: generate_pb2.GenerateRequest) -> GenerateRequest:
@@ -154,21 +163,38 @@ def to_response(event: StreamEvent) -> generate_pb2.GenerateResponse:
     return response
 
 
+def served_model_name(config: FrontendConfig) -> str:
+    """The model's name in the HTTP API: --served-model-name, else the GGUF file's stem or the
+    model directory's name."""
+    if config.served_model_name:
+        return config.served_model_name
+    files = resolve_model(config.engine.model)
+    return Path(files.gguf_file).stem if files.gguf_file else files.directory.name
+
+
 @dataclass
 class Frontend:
-    """A running frontend: its gRPC server, port, health servicer and (once loaded) backend."""
+    """A running frontend: its gRPC server, port, health servicer, the HTTP API (None when
+    off) and, once loaded, the backend."""
 
     server: grpc.Server
     port: int
     servicer: GenerationServicer
     health: health.HealthServicer
+    http: HttpServer | None = None
     backend: Backend | None = None
+
+    @property
+    def http_url(self) -> str | None:
+        return None if self.http is None else self.http.url
 
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving \
             else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in (SERVICE_NAME, ""):
             self.health.set(service, status)
+        if self.http is not None and not serving and self.http.api.state == "serving":
+            self.http.api.state = "draining"
 
     def load(self, loaded=None) -> None:
         """Loads the model and builds the backend (an engine loop here, or the Ray workers),
@@ -191,6 +217,8 @@ class Frontend:
                                              publish=config.publish)
             tokenizer = loaded.tokenizer
         self.servicer.attach(self.backend, tokenizer)
+        if self.http is not None:
+            self.http.api.attach(self.backend, tokenizer)
         self.set_serving(True)
 
     def stop(self, grace_s: float) -> None:
@@ -205,13 +233,22 @@ class Frontend:
             while self.backend.num_requests and time.monotonic() < deadline:
                 time.sleep(0.05)
         self.server.stop(1.0).wait()  # whatever is left is cancelled
+        if self.http is not None:
+            self.http.stop()
         if self.backend is not None:
             self.backend.close()
 
 
 def start_frontend(config: FrontendConfig) -> Frontend:
-    """Starts the gRPC server at once (health NOT_SERVING); call `load()` to serve."""
-    servicer = GenerationServicer(config)
+    """Starts the gRPC server and the HTTP API at once (health NOT_SERVING, HTTP /health 503);
+    call `load()` to serve."""
+    metrics = ApiMetrics(served_model_name(config))
+    http = None
+    if config.http:
+        api = OpenAIApi(metrics.model_name, config.engine.max_len, config.max_tokens_limit,
+                        config.default_max_tokens, config.max_workers, metrics)
+        http = HttpServer(api, config.host, config.http_port).start()
+    servicer = GenerationServicer(config, metrics)
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers,
                                                     thread_name_prefix="generate-rpc"))
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
@@ -222,7 +259,7 @@ def start_frontend(config: FrontendConfig) -> Frontend:
     host = f"[{config.host}]" if ":" in config.host else config.host
     port = tls.bind(server, f"{host}:{config.port}")
     server.start()
-    frontend = Frontend(server, port, servicer, health_servicer)
+    frontend = Frontend(server, port, servicer, health_servicer, http)
     frontend.set_serving(False)
     return frontend
 
@@ -230,8 +267,9 @@ def start_frontend(config: FrontendConfig) -> Frontend:
 def serve(config: FrontendConfig) -> None:
     """Serves until SIGTERM or SIGINT, then drains for config.grace_s seconds."""
     frontend = start_frontend(config)
-    logger.info("generation API listening on %s (loading the model)",
-                address(config.host, frontend.port))
+    logger.info("generation API listening on %s%s (loading the model)",
+                address(config.host, frontend.port),
+                f", OpenAI-compatible HTTP API on {frontend.http_url}" if frontend.http else "")
     stopping = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stopping.set())
                 for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -169,7 +169,7 @@ class EngineLoop:
         draft_ms, verify_ms = 1e3 * step.draft_s, 1e3 * step.verify_s
         for row in step.rows:
             stream = self._streams[row.request_id]
-            info = StepInfo(row.num_accepted, row.budget, draft_ms, verify_ms) \
+            info = StepInfo(row.num_accepted, row.budget, draft_ms, verify_ms, row.num_drafted) \
                 if row.is_verified else None
             self._push(stream, row, info, row.request_id in finished)
         for seq in step.finished:

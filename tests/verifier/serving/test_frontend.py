@@ -18,7 +18,7 @@ MAX_LEN = 1024
 def make_config(datastore, **overrides):
     engine = EngineConfig(dtype="float32", mode="sssd", max_batch_size=4, max_len=MAX_LEN,
                           datastore_dir=datastore, budget_policy="rule")
-    values = dict(engine=engine, port=0, max_requests=3, max_workers=8, grace_s=5.0)
+    values = dict(engine=engine, port=0, http_port=0, max_requests=3, max_workers=8, grace_s=5.0)
     values.update(overrides)
     return FrontendConfig(**values)
 

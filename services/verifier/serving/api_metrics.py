@@ -1,0 +1,192 @@
+"""Prometheus metrics of the requests this frontend answers (HTTP and gRPC alike), served on the
+HTTP API's GET /metrics.
+
+They are recorded from the events each request streams back, so they cover both backends (the
+engine in this process and the Ray workers) the same way. Every series exists twice: under this
+project's names (`sssd_api_*`) and under the names vLLM's server exports (`vllm:*`), so that
+`vllm bench serve` (which reads `vllm:spec_decode_*` before and after a run to report acceptance)
+and dashboards written for vLLM read this server unchanged.
+
+Speculation is counted as vLLM counts it: a draft is one verification step of one sequence that
+had draft tokens; its draft tokens are the tree's nodes but the root (for a tree they include
+the siblings that cannot all be accepted, so the acceptance rate of a tree is lower than that of
+a chain with the same accepted length); position p of a draft is accepted when the accepted path
+is longer than p.
+"""
+
+from __future__ import annotations
+
+import time
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from sssd.verifier.serving.backend import StreamEvent
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Seconds; the buckets vLLM uses for the same histograms (CPU steps are 10-200 ms).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+MAX_POSITIONS = 64  # per-position acceptance is kept for the first positions of a draft
+# No `*_created` series beside every counter (as vLLM's server does): half the text, no reader.
+prometheus_client.disable_created_metrics()
+
+
+class _Twin:
+    """One series under both names: ours and vLLM's. Label values are passed in order."""
+
+    def __init__(self, kind, registry: CollectorRegistry, ours: str, vllm: str, doc: str,
+                 labels: tuple[str, ...], **kwargs) -> None:
+        self.metrics = (kind(ours, doc, labels, registry=registry, **kwargs),
+                        kind(vllm, doc, labels, registry=registry, **kwargs))
+
+    def labels(self, *values: str) -> list:
+        return [metric.labels(*values) for metric in self.metrics]
+
+
+class ApiMetrics:
+    """Thread-safe: gRPC handler threads and the HTTP event loop record into it."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = registry = CollectorRegistry()
+        model = ("model_name",)
+        self.running = Gauge("sssd_api_requests_running", "Requests admitted and not ended",
+                             model, registry=registry)
+        self.vllm_running = Gauge("vllm:num_requests_running", "Requests admitted and not ended",
+                                  model, registry=registry)
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting",
+                                  "Requests waiting (the engine admits as slots free; always 0 "
+                                  "here: waiting requests count as running)", model,
+                                  registry=registry)
+        self.success = _Twin(Counter, registry, "sssd_api_request_success",
+                             "vllm:request_success", "Requests that ended, by finish reason",
+                             model + ("finished_reason",))
+        self.refused = Counter("sssd_api_requests_refused", "Requests refused, by error kind",
+                               model + ("kind",), registry=registry)
+        self.prompt_tokens = _Twin(Counter, registry, "sssd_api_prompt_tokens",
+                                   "vllm:prompt_tokens", "Prompt tokens of admitted requests",
+                                   model)
+        self.generation_tokens = _Twin(Counter, registry, "sssd_api_generation_tokens",
+                                       "vllm:generation_tokens", "Tokens generated", model)
+        self.ttft = _Twin(Histogram, registry, "sssd_api_time_to_first_token_seconds",
+                          "vllm:time_to_first_token_seconds", "Time to first token", model,
+                          buckets=TTFT_BUCKETS)
+        self.itl = _Twin(Histogram, registry, "sssd_api_inter_token_latency_seconds",
+                         "vllm:inter_token_latency_seconds",
+                         "Time between tokens (a step that emits k tokens counts k gaps of 1/k "
+                         "of its time)", model, buckets=ITL_BUCKETS)
+        self.tpot = _Twin(Histogram, registry, "sssd_api_time_per_output_token_seconds",
+                          "vllm:request_time_per_output_token_seconds",
+                          "Per request: (end - first token) / (output tokens - 1)", model,
+                          buckets=ITL_BUCKETS)
+        self.e2e = _Twin(Histogram, registry, "sssd_api_e2e_request_latency_seconds",
+                         "vllm:e2e_request_latency_seconds", "Request latency, arrival to end",
+                         model, buckets=E2E_BUCKETS)
+        self.drafts = _Twin(Counter, registry, "sssd_api_spec_decode_num_drafts",
+                            "vllm:spec_decode_num_drafts",
+                            "Verification steps of a sequence that had draft tokens", model)
+        self.draft_tokens = _Twin(Counter, registry, "sssd_api_spec_decode_num_draft_tokens",
+                                  "vllm:spec_decode_num_draft_tokens",
+                                  "Draft tokens verified (tree nodes but the root)", model)
+        self.accepted = _Twin(Counter, registry, "sssd_api_spec_decode_num_accepted_tokens",
+                              "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                              model)
+        self.accepted_per_pos = _Twin(Counter, registry,
+                                      "sssd_api_spec_decode_num_accepted_tokens_per_pos",
+                                      "vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Drafts whose accepted path reached this position", model
+                                      + ("position",))
+        # Touch the speculation series so that they exist (at 0) before the first draft: a
+        # client reading /metrics before and after a run sees both.
+        for twin in (self.drafts, self.draft_tokens, self.accepted):
+            twin.labels(model_name)
+        self._model = (model_name,)
+
+    def refused_request(self, kind: str) -> None:
+        self.refused.labels(self.model_name, kind).inc()
+
+    def track(self, num_prompt_tokens: int) -> "RequestTracker":
+        """Call once a request is admitted; record its events into the tracker."""
+        for metric in (self.running, self.vllm_running):
+            metric.labels(self.model_name).inc()
+        for counter in self.prompt_tokens.labels(*self._model):
+            counter.inc(num_prompt_tokens)
+        return RequestTracker(self)
+
+    def export(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """The metrics of one request, fed its stream events in order; `end` exactly once."""
+
+    def __init__(self, metrics: ApiMetrics) -> None:
+        self.metrics = metrics
+        self.arrival = self.last = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.num_tokens = 0
+        self.num_steps = 0
+        self.num_accepted = 0
+        self.is_ended = False
+
+    def event(self, event: StreamEvent) -> None:
+        m, model = self.metrics, self.metrics._model
+        now = time.perf_counter()
+        count = len(event.token_ids)
+        if count:
+            for counter in m.generation_tokens.labels(*model):
+                counter.inc(count)
+            if self.first_token_at is None:
+                self.first_token_at = now
+                for histogram in m.ttft.labels(*model):
+                    histogram.observe(now - self.arrival)
+                gaps = count - 1  # the rest of the first event's tokens came with it
+                gap = 0.0
+            else:
+                gaps, gap = count, (now - self.last) / count
+            for histogram in m.itl.labels(*model):
+                for _ in range(gaps):
+                    histogram.observe(gap)
+            self.num_tokens += count
+            self.last = now
+        step = event.step
+        if step is not None:
+            self.num_steps += 1
+            self.num_accepted += step.accepted_tokens
+            if step.drafted_tokens:
+                for counter in m.drafts.labels(*model):
+                    counter.inc()
+                for counter in m.draft_tokens.labels(*model):
+                    counter.inc(step.drafted_tokens)
+                for counter in m.accepted.labels(*model):
+                    counter.inc(step.accepted_tokens)
+                for position in range(min(step.accepted_tokens, MAX_POSITIONS)):
+                    for counter in m.accepted_per_pos.labels(*model, str(position)):
+                        counter.inc()
+        if event.totals is not None:
+            self.end(event.totals.finish_reason)
+        elif event.error is not None:
+            self.end("error")
+
+    def end(self, finish_reason: str) -> None:
+        """`finish_reason`: stop, length, abort (cancelled or failed)."""
+        if self.is_ended:
+            return
+        self.is_ended = True
+        m, model = self.metrics, self.metrics._model
+        now = time.perf_counter()
+        for metric in (m.running, m.vllm_running):
+            metric.labels(m.model_name).dec()
+        for counter in m.success.labels(*model, finish_reason):
+            counter.inc()
+        for histogram in m.e2e.labels(*model):
+            histogram.observe(now - self.arrival)
+        if self.first_token_at is not None and self.num_tokens > 1:
+            for histogram in m.tpot.labels(*model):
+                histogram.observe((now - self.first_token_at) / (self.num_tokens - 1))
