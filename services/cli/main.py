@@ -36,6 +36,7 @@ from sssd.common.rpc.ports import GENERATE_PORT
 from sssd.common.rpc.tls import add_tls_flags, tls_from_args
 from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.serving.config import FrontendConfig, RayConfig
+from sssd.common.rpc.ports import busy_ports
 from sssd.verifier.serving.frontend import serve
 
 DEFAULT_TARGET = f"127.0.0.1:{GENERATE_PORT}"
@@ -137,6 +138,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = serve_config(args)
     except (ValueError, RuntimeError) as exc:
         print(f"sssd serve: error: {exc}", file=sys.stderr)
+        return 2
+    ports = {"--port": config.port} | ({"--http-port": config.http_port} if config.http else {})
+    problems = busy_ports(config.host, ports)
+    for problem in problems:
+        print(f"sssd serve: error: {problem}", file=sys.stderr)
+    if problems:
         return 2
     serve(config)
     return 0

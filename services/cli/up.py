@@ -32,6 +32,7 @@ if set, else a fresh one written to var/ray/auth_token (mode 0600); the dashboar
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -84,16 +85,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # What `sssd up` takes from each configuration as flags; its own defaults where they differ.
-FRONTEND_FLAGS = ("host", "port", "max_requests", "max_tokens_limit", "default_max_tokens",
-                  "grace_s")
+FRONTEND_FLAGS = ("host", "port", "http", "http_port", "served_model_name", "max_requests",
+                  "max_tokens_limit", "default_max_tokens", "grace_s")
 ENGINE_EXCLUDED = ("mode", "drafter_target", "datastore_dir",  # set by the stack itself
                    "speculator_target")
 INDEXER_FLAGS = ("build_tokens", "build_interval_s")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # The HTTP API's switches also read the environment, as `sssd serve`'s flags do
+    # (SSSD_SERVE_HTTP=false, SSSD_SERVE_HTTP_PORT=8001).
     add_flags(parser.add_argument_group("the Generate API"), FrontendConfig,
-              include=FRONTEND_FLAGS)
+              include=[f for f in FRONTEND_FLAGS if not f.startswith("http")])
+    add_flags(parser.add_argument_group("the OpenAI-compatible HTTP API"), FrontendConfig,
+              include=("http", "http_port"), env_prefix="SSSD_SERVE_")
     add_flags(parser.add_argument_group("engine (in each decode worker)"), EngineConfig,
               exclude=ENGINE_EXCLUDED)
     add_flags(parser.add_argument_group("Ray"), RayConfig, exclude=("address",))
@@ -257,6 +262,8 @@ def stack_ports(args: argparse.Namespace) -> dict[str, int]:
     """Every port the stack will bind, by the flag that moves it."""
     ports = {"--port": args.port, "--drafter-port": args.drafter_port,
              "--dashboard-port": args.dashboard_port, "--metrics-port": args.metrics_port}
+    if args.http:
+        ports["--http-port"] = args.http_port
     if args.speculator:
         ports["--speculator-port"] = args.speculator_port
         ports["--speculator-metrics-port"] = args.speculator_metrics_port
@@ -275,10 +282,31 @@ def serving_lines(host: str, frontend: Frontend) -> str:
     if endpoints.get("auth") == "token":
         login = f" (token in {endpoints['token_file']})" if endpoints.get("token_file") \
             else " (token: $RAY_AUTH_TOKEN)"
-    return (f"[4/5] serving the Generate API on {target}\n"
-            f"      Ray dashboard:       {endpoints.get('dashboard') or 'off'}{login}\n"
-            f"      Prometheus metrics:  {endpoints.get('metrics')}\n"
-            f"      try: .venv/bin/sssd generate --target {target} \"your prompt\"")
+    lines = [f"[4/5] serving the Generate API (gRPC) on {target}"]
+    if frontend.http is not None:
+        lines.append(f"      OpenAI-compatible HTTP API on {frontend.http_url}/v1 "
+                     f"(metrics {frontend.http_url}/metrics)")
+    lines += [f"      Ray dashboard:       {endpoints.get('dashboard') or 'off'}{login}",
+              f"      Prometheus metrics:  {endpoints.get('metrics')} (workers)",
+              f"      try: .venv/bin/sssd generate --target {target} \"your prompt\""]
+    if frontend.http is not None:
+        lines.append(http_examples(frontend.http_url, frontend.http.api.model_name))
+    return "\n".join(lines)
+
+
+def http_examples(url: str, model: str) -> str:
+    """A curl line and a five-line openai SDK example for the HTTP API."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
+                       "max_tokens": 64})
+    return (f"      or: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-d '{body}'\n"
+            "      or, with the openai SDK:\n"
+            "          from openai import OpenAI\n"
+            f"          client = OpenAI(base_url=\"{url}/v1\", api_key=\"unused\")\n"
+            "          reply = client.chat.completions.create(\n"
+            f"              model=\"{model}\", messages=[{{\"role\": \"user\", "
+            "\"content\": \"Hello!\"}])\n"
+            "          print(reply.choices[0].message.content)")
 
 
 def print_speculator(target: str) -> None:

@@ -3,6 +3,7 @@ tracking of sequences across rows, the best linear path of a tree, and a drafter
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -174,3 +175,80 @@ def test_settings_from_vllms_additional_config_override_the_environment():
         ProposerSettings.from_config(config("a:1"), env)
     with pytest.raises(ValueError, match=r'no drafter address: set additional_config\["sssd"\]'):
         ProposerSettings.from_config(config({"budget": 8}), {})
+
+
+def stream_entries(redis_server, stream):
+    import redis
+
+    entries = redis.Redis.from_url(redis_server.url).xrange(stream)
+    return [(np.frombuffer(f[b"prompt"], "<u4").tolist(),
+             np.frombuffer(f[b"output"], "<u4").tolist(), f[b"fingerprint"].decode(),
+             f[b"uid"].decode() if b"uid" in f else "") for _, f in entries]
+
+
+def test_finished_sequences_are_published_once_with_prompt_and_answer_apart(
+        fake_proposer, redis_server, tmp_path, wait_until):
+    stream = "test:vllm-proposer"
+    settings = ProposerSettings(drafter="127.0.0.1:1", budget=8, redis_url=redis_server.url,
+                                stream=stream, spool_dir=str(tmp_path / "spool"), idle_s=3.0)
+    proposer = VllmDrafterProposer(vllm_config(), drafter=fake_proposer(4), settings=settings,
+                                   fingerprint="fp-test")
+    table = Table([[5, 6, 7], [9, 9]])
+
+    def step(sampled):
+        table_ids, counts = table.arrays()
+        proposer.propose(sampled, counts, table_ids)
+
+    step([[7], []])  # row 0 sampled its first token (7); row 1 is still prefilling
+    table.rows[0] += [1, 2]
+    table.rows[1] += [9, 4]  # row 1's prompt was [9, 9, 9]; 4 is its first token
+    step([[1, 2], [4]])
+    table.rows[0] = [3, 3, 3]  # request 0 finished; another took its row
+    table.rows[1] += [5]
+    step([[3], [5]])
+    assert wait_until(lambda: len(stream_entries(redis_server, stream)) >= 1, timeout=10)
+    first = stream_entries(redis_server, stream)[0]
+    assert first[:3] == ([5, 6], [7, 1, 2], "fp-test")
+    # No step for idle_s: every row has ended and is published, each once.
+    assert wait_until(lambda: len(stream_entries(redis_server, stream)) == 3, timeout=10)
+    entries = stream_entries(redis_server, stream)
+    assert sorted(e[:2] for e in entries[1:]) == [([3, 3], [3]), ([9, 9, 9], [4, 5])]
+    assert len({e[3] for e in entries}) == 3  # one uid per sequence
+    time.sleep(3.5)
+    proposer.close()
+    assert len(stream_entries(redis_server, stream)) == 3  # nothing twice
+    assert proposer.num_published == 3
+
+
+def test_rows_that_vllm_moves_keep_their_sequences(fake_proposer, redis_server, tmp_path,
+                                                   wait_until):
+    """vLLM condenses its batch when a request leaves: the last row moves into the hole. The
+    moved sequence goes on (no new drafter sequence, no early publication)."""
+    stream = "test:vllm-moved"
+    settings = ProposerSettings(drafter="127.0.0.1:1", budget=8, redis_url=redis_server.url,
+                                stream=stream, spool_dir=str(tmp_path / "spool"), idle_s=30)
+    drafter = fake_proposer(4)
+    proposer = VllmDrafterProposer(vllm_config(), drafter=drafter, settings=settings,
+                                   fingerprint="fp-test")
+    table = Table([[5, 6, 7], [1, 1], [8, 8, 8]])
+    proposer.propose([[7], [1], [8]], *reversed(table.arrays()))
+    ids = list(drafter.contexts)
+    table.rows = [table.rows[2] + [4], table.rows[1] + [2]]  # row 0 left; row 2 moved to 0
+    proposer.propose([[4], [2]], *reversed(table.arrays()))
+    assert drafter.contexts == {ids[1]: [1, 1, 2], ids[2]: [8, 8, 8, 4]}
+    assert wait_until(lambda: len(stream_entries(redis_server, stream)) == 1, timeout=10)
+    assert stream_entries(redis_server, stream)[0][:2] == ([5, 6], [7])
+    # After a drafter failure the sequences are sent whole again (under new drafter ids), and
+    # published once each with their prompts where they were.
+    drafter.failure = TimeoutError("deadline")
+    table.rows[0] += [3]
+    assert proposer.propose([[3], [2]], *reversed(table.arrays())) == [[], []]
+    drafter.failure = None
+    table.rows[1] += [9]
+    proposer.propose([[3], [9]], *reversed(table.arrays()))
+    assert sorted(drafter.contexts.values()) == [[1, 1, 2, 9], [8, 8, 8, 4, 3]]
+    assert not set(ids) & set(drafter.contexts)  # the old ids were ended
+    proposer.close()
+    entries = stream_entries(redis_server, stream)
+    assert sorted(e[:2] for e in entries) == [([1], [1, 2, 9]), ([5, 6], [7]),
+                                              ([8, 8], [8, 4, 3])]

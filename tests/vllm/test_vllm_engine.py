@@ -220,3 +220,46 @@ def test_bad_proposer_settings_stop_vllm_with_the_reason(in_process_engines, mod
         make_llm(model_dir, speculative_config=config,
                  additional_config={"sssd": {"drafter": "127.0.0.1:1", "budgett": 8}})
     gc.collect()
+
+
+def test_conversations_served_by_vllm_reach_the_live_datastore_once(
+        in_process_engines, model_dir, drafter, tokenizer, prompts, references, redis_server,
+        tmp_path, wait_until):
+    import time
+
+    import numpy as np
+    import redis
+
+    from sssd.common.model.tokenizer import tokenizer_fingerprint
+
+    stream = "test:vllm-live"
+    config = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": K}
+    llm = make_llm(model_dir, speculative_config=config, additional_config={"sssd": {
+        "drafter": f"127.0.0.1:{drafter.port}", "timeout_s": 1.0, "redis_url": redis_server.url,
+        "stream": stream, "spool_dir": str(tmp_path / "spool"), "idle_s": 5.0}})
+    try:
+        assert generate(llm, prompts[:3]) == references[:3]
+        client = redis.Redis.from_url(redis_server.url)
+
+        def entries():
+            return [(np.frombuffer(f[b"prompt"], "<u4").tolist(),
+                     np.frombuffer(f[b"output"], "<u4").tolist(), f[b"fingerprint"].decode())
+                    for _, f in client.xrange(stream)]
+
+        # vLLM is idle after generate: within idle_s every row has ended and is published.
+        assert wait_until(lambda: len(entries()) == 3, timeout=30)
+        fingerprint = tokenizer_fingerprint(tokenizer)
+        by_prompt = {tuple(prompt): (answer, fp) for prompt, answer, fp in entries()}
+        assert set(by_prompt) == {tuple(p) for p in prompts[:3]}
+        for prompt, answer in zip(prompts, references[:3]):
+            published, fp = by_prompt[tuple(prompt)]
+            assert fp == fingerprint
+            # What the client got, and at most the rest of the last verification step: vLLM's
+            # token table holds every accepted token, the reply is cut at max_tokens.
+            assert published[:len(answer)] == answer
+            assert len(published) - len(answer) <= K
+        time.sleep(6)
+        assert len(entries()) == 3  # each once
+    finally:
+        del llm
+        gc.collect()

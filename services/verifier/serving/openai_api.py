@@ -654,7 +654,12 @@ class HttpServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, port))
+        try:
+            self._socket.bind((host, port))
+        except OSError as exc:
+            self._socket.close()
+            raise RuntimeError(f"the HTTP API cannot bind {host}:{port} ({exc.strerror}): move "
+                               "it with --http-port, or turn it off with --no-http") from None
         self._socket.listen(256)
         self.host = host
         self.port = self._socket.getsockname()[1]

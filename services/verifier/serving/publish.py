@@ -26,7 +26,8 @@ class ConversationSink(LoopObserver):
 
     def on_step(self, step: StepOutput, step_s: float) -> None:
         for seq in step.finished:
-            if seq.output_ids:
+            # An answer decoded past EOS (ignore_eos, for benchmarks) is not one the model gave.
+            if seq.output_ids and not seq.request.ignore_eos:
                 self.publisher.publish(Conversation(list(seq.prompt_ids), list(seq.output_ids),
                                                     self.fingerprint, seq.finish_reason,
                                                     uid=seq.request_id))
