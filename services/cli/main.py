@@ -32,11 +32,10 @@ from sssd.common.config.flags import add_flags, from_args
 from sssd.common.config.logs import configure_logging
 from sssd.common.conversations.publisher import PublishConfig
 from sssd.common.conversations.redis_server import configured_password, use_password_file
-from sssd.common.rpc.ports import GENERATE_PORT
+from sssd.common.rpc.ports import GENERATE_PORT, busy_ports
 from sssd.common.rpc.tls import add_tls_flags, tls_from_args
 from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.serving.config import FrontendConfig, RayConfig
-from sssd.common.rpc.ports import busy_ports
 from sssd.verifier.serving.frontend import serve
 
 DEFAULT_TARGET = f"127.0.0.1:{GENERATE_PORT}"

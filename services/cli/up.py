@@ -10,8 +10,10 @@
     3. the drafter service (`sssd-drafter`, its own process) on the live datastore, picking up
        each new manifest without a restart;
     4. a local Ray cluster with its dashboard, a prefill worker and a decode worker (Ray
-       actors, each with its own copy of the model);
-    5. the gRPC Generate API (health, reflection) on 127.0.0.1:50061.
+       actors, each with its own copy of the model); with --no-ray the engine runs in the
+       API's process instead;
+    5. the gRPC Generate API (health, reflection) on 127.0.0.1:50061 and the OpenAI-compatible
+       HTTP API on 127.0.0.1:8000 (--http-port, --no-http).
 
 It prints where to connect, where the Ray dashboard and the Prometheus endpoints are, answers a
 check prompt through the API (cli/check.py: the first steps' budgets and accepted drafts, the
@@ -121,6 +123,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="keep the first N layers of the draft model; 0: all (default 8: "
                        "the default target has no smaller sibling here, so its first layers "
                        "are the draft; a poor one, see docs/services/speculator.md)")
+    stack.add_argument("--no-ray", action="store_true",
+                       help="the engine in the API's process (prefill between decode steps) "
+                       "instead of Ray prefill and decode workers: on a machine with few cores "
+                       "disaggregation costs more than it wins")
     stack.add_argument("--no-live", action="store_true",
                        help="no live datastore: no Redis, no indexer, nothing published")
     stack.add_argument("--live-dir", default="var/live/datastore",
@@ -163,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
                            drafter_target=f"{args.host}:{args.drafter_port}",
                            speculator_target=speculator_target)
         frontend_values = dict(engine=engine, max_workers=args.max_requests + 16,
-                               ray=ray_config)
+                               ray=None if args.no_ray else ray_config)
         from_args(FrontendConfig, args, include=FRONTEND_FLAGS, **frontend_values)  # validates
     except (ValueError, RuntimeError) as exc:
         print(f"sssd up: error: {exc}", file=sys.stderr)
@@ -229,7 +235,8 @@ def run(args: argparse.Namespace) -> int:
         from_args(FrontendConfig, args, include=FRONTEND_FLAGS, publish=publish,
                   **frontend_values),
         grace_s=0 if args.once else args.grace_s,
-        loading=f"[3/5] starting Ray ({ray_config.num_prefill_workers} prefill + "
+        loading="[3/5] loading the model into this process (--no-ray)" if args.no_ray else
+        f"[3/5] starting Ray ({ray_config.num_prefill_workers} prefill + "
         f"{ray_config.num_decode_workers} decode workers, auth {ray_config.auth}); loading "
         "the model in each",
         describe=lambda frontend: serving_lines(args.host, frontend))
@@ -260,8 +267,9 @@ def run(args: argparse.Namespace) -> int:
 
 def stack_ports(args: argparse.Namespace) -> dict[str, int]:
     """Every port the stack will bind, by the flag that moves it."""
-    ports = {"--port": args.port, "--drafter-port": args.drafter_port,
-             "--dashboard-port": args.dashboard_port, "--metrics-port": args.metrics_port}
+    ports = {"--port": args.port, "--drafter-port": args.drafter_port}
+    if not args.no_ray:
+        ports |= {"--dashboard-port": args.dashboard_port, "--metrics-port": args.metrics_port}
     if args.http:
         ports["--http-port"] = args.http_port
     if args.speculator:
@@ -276,19 +284,22 @@ def stack_ports(args: argparse.Namespace) -> dict[str, int]:
 
 
 def serving_lines(host: str, frontend: Frontend) -> str:
-    endpoints = frontend.backend.endpoints
+    endpoints = getattr(frontend.backend, "endpoints", None)  # None: no Ray (--no-ray)
     target = f"{host}:{frontend.port}"
     login = ""
-    if endpoints.get("auth") == "token":
+    if endpoints is not None and endpoints.get("auth") == "token":
         login = f" (token in {endpoints['token_file']})" if endpoints.get("token_file") \
             else " (token: $RAY_AUTH_TOKEN)"
     lines = [f"[4/5] serving the Generate API (gRPC) on {target}"]
     if frontend.http is not None:
         lines.append(f"      OpenAI-compatible HTTP API on {frontend.http_url}/v1 "
                      f"(metrics {frontend.http_url}/metrics)")
-    lines += [f"      Ray dashboard:       {endpoints.get('dashboard') or 'off'}{login}",
-              f"      Prometheus metrics:  {endpoints.get('metrics')} (workers)",
-              f"      try: .venv/bin/sssd generate --target {target} \"your prompt\""]
+    if endpoints is not None:
+        lines += [f"      Ray dashboard:       {endpoints.get('dashboard') or 'off'}{login}",
+                  f"      Prometheus metrics:  {endpoints.get('metrics')} (workers)"]
+    else:
+        lines.append("      the engine runs in this process (--no-ray)")
+    lines.append(f"      try: .venv/bin/sssd generate --target {target} \"your prompt\"")
     if frontend.http is not None:
         lines.append(http_examples(frontend.http_url, frontend.http.api.model_name))
     return "\n".join(lines)

@@ -3,8 +3,11 @@ password, each with real processes on 127.0.0.1. The CAs and certificates are ma
 fixture (tests/conftest.py)."""
 
 import os
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -92,17 +95,44 @@ def test_drafter_serves_mutual_tls_and_its_client_drafts_through_it(spawn_servic
         plain.close()
 
 
-def test_speculator_and_generate_api_serve_mutual_tls(spawn_service, pki):
+def test_speculator_and_generate_api_serve_mutual_tls(spawn_service, pki, free_port):
     _, port = spawn_service([sys.executable, "-m", "sssd.speculator.service", "--port", "0",
                              "--metrics-port", "0", "--draft-layers", "1", "--dtype",
                              "float32"] + server_flags(pki), drain=True)
     assert_only_mutual_tls_gets_in(port, pki)
     # The Generate API binds its port before loading the model (health NOT_SERVING meanwhile):
     # the handshake is what is tested here; the process is killed at teardown.
+    http_port = free_port()
     _, port = spawn_service([str(Path(sys.executable).with_name("sssd")), "serve", "--port", "0",
-                             "--http-port", "0", "--dtype", "float32"] + server_flags(pki),
-                            drain=True)
+                             "--http-port", str(http_port), "--dtype", "float32"]
+                            + server_flags(pki), drain=True)
     assert_only_mutual_tls_gets_in(port, pki)
+    # The HTTP API serves TLS with the same files, and also wants a client certificate.
+    assert https_status(http_port, pki) == 503  # loading: its /health says so
+
+    for context in (https_context(pki, with_cert=False), https_context(pki, ca="theirs")):
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"https://127.0.0.1:{http_port}/health", context=context,
+                                   timeout=5)
+    with pytest.raises(OSError):  # plaintext
+        urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=5)
+
+
+def https_context(pki, ca="ours", with_cert=True):
+    context = ssl.create_default_context(cafile=pki[ca]["ca"])
+    context.check_hostname = False  # the chain is what is checked; the name is the test's own
+    if with_cert:
+        context.load_cert_chain(*pki["ours"]["client"])
+    return context
+
+
+def https_status(port, pki):
+    try:
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/health",
+                                    context=https_context(pki), timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 def test_indexer_health_serves_tls_and_redis_requires_the_configured_password(

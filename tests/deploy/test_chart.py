@@ -43,6 +43,7 @@ VALUE_SETS = {
                    "speculator": {"enabled": True}},
     "tls": {"tls": {"secretName": "sssd-tls"}, "speculator": {"enabled": True},
             "verifier": {"engine": {"mode": "ssd"}}},
+    "grpc-only": {"frontend": {"http": {"enabled": False}}},
     "drafter-replicas": {"drafter": {"replicas": 5, "autoscaling": {"enabled": False},
                                      "config": {"poll_interval_s": 2}},
                          "verifier": {"decode": {"replicas": 3, "workersPerPod": 2}},
@@ -250,6 +251,9 @@ def test_every_command_and_configuration_is_accepted_by_its_service(render, valu
                 assert config.engine.max_budget == frontend_config.get("max_budget", 32)
                 assert config.ray is not None and config.ray.address == "127.0.0.1:6379"
                 assert config.host == "0.0.0.0" and config.publish is not None
+                assert config.http == VALUE_SETS[value_set].get("frontend", {}).get(
+                    "http", {}).get("enabled", True)
+                assert config.http_port == 8000
                 if config.engine.mode != "ar":
                     assert config.engine.drafter_target.startswith("dns:///demo-sssd-serve-")
             elif program == "redis-server":
@@ -272,16 +276,23 @@ def test_services_select_their_pods_and_only_the_frontend_is_public(render):
             service["metadata"]["name"]
     services = {s["metadata"]["name"]: s for s in by_kind(objects, "Service")}
     assert services["demo-sssd-serve-drafter"]["spec"]["clusterIP"] == "None"  # headless
+    monitored = set()
     for monitor in by_kind(objects, "ServiceMonitor"):
         match = monitor["spec"]["selector"]["matchLabels"]
         (service,) = [s for s in services.values()
                       if match.items() <= s["metadata"]["labels"].items()]
-        assert "metrics" in {p["name"] for p in service["spec"]["ports"]}
+        for endpoint in monitor["spec"]["endpoints"]:
+            assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+        monitored.add(service["metadata"]["name"])
+    assert "demo-sssd-serve-frontend" in monitored  # the HTTP API's /metrics
+    frontend = services["demo-sssd-serve-frontend"]["spec"]["ports"]
+    assert {(p["name"], p["port"]) for p in frontend} == {("grpc", 50061), ("http", 8000)}
     public = [p for p in by_kind(objects, "NetworkPolicy") if p["metadata"]["name"].endswith(
         "-public")]
     (policy,) = public
     assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == \
         "frontend"
+    assert [p["port"] for p in policy["spec"]["ingress"][0]["ports"]] == [50061, 8000]
 
 
 def test_tls_mounts_the_secret_into_every_sssd_process_and_probes_through_it(render):
@@ -327,5 +338,8 @@ def test_tls_mounts_the_secret_into_every_sssd_process_and_probes_through_it(ren
         for container in pod["containers"]:
             assert not any(e["name"].startswith("SSSD_TLS_") for e in container.get("env", []))
             for kind in ("readinessProbe", "livenessProbe"):
-                if container["name"] != "redis" and kind in container:
+                if container["name"] == "frontend" and kind == "readinessProbe":
+                    # Without TLS the frontend is ready when its HTTP API's /health says so.
+                    assert container[kind]["httpGet"] == {"path": "/health", "port": "http"}
+                elif container["name"] != "redis" and kind in container:
                     assert "grpc" in container[kind]

@@ -141,3 +141,55 @@ def test_offline_build_from_a_corpus_file(tmp_path, tokenizer):
     bad.write_text('{"text": "ok"}\n{"neither": 1}\n')
     with pytest.raises(SystemExit, match="bad.jsonl:2"):
         main(["offline", "--datastore-dir", str(tmp_path / "ds2"), str(bad)])
+
+
+def test_a_conversation_over_http_reaches_the_stream_once_and_is_indexed(tmp_path,
+                                                                         target_model_fp32):
+    import json
+    import urllib.request
+
+    import numpy as np
+    import redis
+
+    redis_server = RedisServer(tmp_path / "redis").start()
+    datastore = tmp_path / "live-datastore"
+    datastore.mkdir()
+    stream = "test:http"
+    engine = EngineConfig(dtype="float32", mode="prompt_lookup", max_batch_size=2, max_len=256,
+                          budget_policy="rule")
+    frontend = start_frontend(FrontendConfig(
+        engine=engine, port=0, http_port=0, max_requests=2, max_workers=4,
+        publish=PublishConfig(redis_server.url, str(tmp_path / "spool"), stream=stream)))
+    try:
+        frontend.load(target_model_fp32)
+        request = urllib.request.Request(
+            frontend.http_url + "/v1/chat/completions", headers={"Content-Type":
+                                                                 "application/json"},
+            data=json.dumps({"messages": [{"role": "user", "content": "Name a river."}],
+                             "max_tokens": 12, "temperature": 0}).encode())
+        with urllib.request.urlopen(request, timeout=60) as response:
+            reply = json.loads(response.read())
+        (sink,) = frontend.backend.observer.observers
+        assert sink.publisher.flush(20)
+        entries = redis.Redis.from_url(redis_server.url).xrange(stream)
+        assert len(entries) == 1  # once
+        fields = entries[0][1]
+        prompt = np.frombuffer(fields[b"prompt"], "<u4").tolist()
+        output = np.frombuffer(fields[b"output"], "<u4").tolist()
+        assert len(prompt) == reply["usage"]["prompt_tokens"]
+        assert len(output) == reply["usage"]["completion_tokens"]
+        tokenizer = target_model_fp32.tokenizer
+        assert tokenizer.decode(output, skip_special_tokens=True) == \
+            reply["choices"][0]["message"]["content"]
+        assert fields[b"fingerprint"].decode() == target_model_fp32.fingerprint
+        indexer = Indexer(IndexerConfig(
+            datastore_dir=str(datastore), vocab_size=target_model_fp32.vocab_size,
+            tokenizer_fingerprint=target_model_fp32.fingerprint, redis_url=redis_server.url,
+            stream=stream, build_tokens=1, block_ms=100))
+        deadline = time.monotonic() + 20
+        while indexer.stats.builds == 0 and time.monotonic() < deadline:
+            indexer.poll()
+        assert read_documents(datastore) == [prompt + output]
+    finally:
+        frontend.stop(0)
+        redis_server.stop()

@@ -356,9 +356,9 @@ def test_the_generate_api_answers_every_fuzzed_call_clearly(spawn_service, datas
                                      "--vocab-size", str(VOCAB), "--tokenizer-fingerprint",
                                      fingerprint, "--port", "0", "--num-threads", "1"],
                                     drain=True)
-    port = free_port()
-    process, _ = spawn_service([console("sssd"), "serve", "--port", str(port), "--http-port", "0",
-                                "--dtype",
+    port, http_port = free_port(), free_port()
+    process, _ = spawn_service([console("sssd"), "serve", "--port", str(port), "--http-port",
+                                str(http_port), "--dtype",
                                 "float32", "--mode", "sssd", "--drafter-target",
                                 f"127.0.0.1:{drafter_port}", "--max-tokens-limit", "8",
                                 "--default-max-tokens", "4", "--max-requests", "4",
@@ -378,6 +378,93 @@ def test_the_generate_api_answers_every_fuzzed_call_clearly(spawn_service, datas
         assert process.poll() is None
         answer = client.generate(mt_bench_prompts[0], max_tokens=8)
         assert answer.token_ids == greedy_references[0][:8]
+    # The HTTP API of the same process: a client's mistake is never a 500.
+    statuses = fuzz_http(http_port)
+    assert statuses.get(200, 0) > 0 and statuses.get(400, 0) > 0, statuses
+    assert all(status < 500 for status in statuses), statuses
+    garbage_on_the_socket(http_port)
+    assert process.poll() is None
+    status, reply = http_call(http_port, "/v1/completions", json_body={
+        "prompt": mt_bench_prompts[0], "max_tokens": 8, "temperature": 0})
+    assert status == 200
+    assert reply["usage"]["completion_tokens"] == 8 and reply["choices"][0]["text"]
+    assert wait_until(lambda: client.generate(mt_bench_prompts[0], max_tokens=8).token_ids
+                      == greedy_references[0][:8], timeout=5)
+
+
+JSON_LEAVES = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                        st.floats(allow_nan=False), st.text(max_size=40),
+                        st.sampled_from(["", "x" * 100_000, "user", "auto", "off", "text"]))
+JSON_VALUES = st.recursive(JSON_LEAVES, lambda children: st.one_of(
+    st.lists(children, max_size=6), st.dictionaries(st.text(max_size=12), children,
+                                                    max_size=6)), max_leaves=20)
+HTTP_FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens",
+               "temperature", "top_p", "top_k", "seed", "stop", "n", "ignore_eos", "stream",
+               "stream_options", "user", "speculation", "logprobs", "presence_penalty", "tools",
+               "tokens", "add_special_tokens", "add_generation_prompt"]
+VALID_MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def http_call(port, path, json_body=None, raw=None, method="POST"):
+    """(status, parsed JSON or the raw text) of one request on a fresh connection."""
+    import http.client
+    import json
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        body = raw if raw is not None else (
+            None if json_body is None else json.dumps(json_body).encode())
+        connection.request(method, path, body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        data = response.read()
+        try:
+            return response.status, json.loads(data)
+        except ValueError:
+            return response.status, data.decode(errors="replace")
+    finally:
+        connection.close()
+
+
+def fuzz_http(port) -> dict[int, int]:
+    """Random bodies on every POST endpoint (sometimes starting from a valid request), random
+    bytes, wrong methods and paths: the count of each status seen."""
+    import json
+
+    statuses: dict[int, int] = {}
+    paths = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]
+    valid = {"/v1/chat/completions": {"messages": VALID_MESSAGES, "max_tokens": 2},
+             "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+             "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [1, 2]}}
+
+    @FUZZ
+    @given(path=st.sampled_from(paths), base=st.booleans(),
+           fields=st.dictionaries(st.one_of(st.sampled_from(HTTP_FIELDS), st.text(max_size=8)),
+                                  JSON_VALUES, max_size=5),
+           top=st.one_of(st.none(), JSON_VALUES))
+    def bodies(path, base, fields, top):
+        body = (dict(valid[path]) if base else {}) | fields
+        if top is not None and not fields:
+            body = top  # not even an object, sometimes
+        status, reply = http_call(port, path, json_body=body)
+        statuses[status] = statuses.get(status, 0) + 1
+        assert status < 500, (path, json.dumps(body)[:300], reply)
+        if status != 200:
+            assert set(reply["error"]) == {"message", "type", "param", "code"}, reply
+
+    @FUZZ
+    @given(path=st.sampled_from(paths), raw=st.binary(max_size=200))
+    def raw_bodies(path, raw):
+        status, reply = http_call(port, path, raw=raw)
+        statuses[status] = statuses.get(status, 0) + 1
+        assert status < 500, (path, raw, reply)
+
+    bodies()
+    raw_bodies()
+    for method, path in (("GET", "/v1/completions"), ("DELETE", "/v1/models"),
+                         ("GET", "/nothing"), ("POST", "/health")):
+        status, _ = http_call(port, path, method=method)
+        assert status in (404, 405), (method, path, status)
+    return statuses
 
 
 def test_the_indexer_health_service_answers_fuzzed_calls_clearly(spawn_service, tmp_path,

@@ -260,6 +260,20 @@ def test_conversations_served_by_vllm_reach_the_live_datastore_once(
             assert len(published) - len(answer) <= K
         time.sleep(6)
         assert len(entries()) == 3  # each once
+        # The indexer turns them into a datastore shard, as it does the engine's.
+        from sssd.datastore.build import read_documents
+        from sssd.indexer.indexer import Indexer, IndexerConfig
+
+        live = tmp_path / "live"
+        live.mkdir()
+        indexer = Indexer(IndexerConfig(
+            datastore_dir=str(live), vocab_size=len(tokenizer), tokenizer_fingerprint=fingerprint,
+            redis_url=redis_server.url, stream=stream, build_tokens=1, block_ms=100))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (
+                indexer.stats.builds == 0 or len(read_documents(live)) < 3):
+            indexer.poll()
+        assert sorted(read_documents(live)) == sorted(p + a for p, a, _ in entries())
     finally:
         del llm
         gc.collect()

@@ -247,7 +247,7 @@ def start_frontend(config: FrontendConfig) -> Frontend:
     if config.http:
         api = OpenAIApi(metrics.model_name, config.engine.max_len, config.max_tokens_limit,
                         config.default_max_tokens, config.max_workers, metrics)
-        http = HttpServer(api, config.host, config.http_port).start()
+        http = HttpServer(api, config.host, config.http_port, tls.resolve(None)).start()
     servicer = GenerationServicer(config, metrics)
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers,
                                                     thread_name_prefix="generate-rpc"))

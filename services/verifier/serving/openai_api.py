@@ -33,6 +33,7 @@ import math
 import os
 import queue
 import socket
+import ssl
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -45,6 +46,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from sssd.common.data.corpus import conversation_token_ids
+from sssd.common.rpc.tls import TlsFiles
 from sssd.verifier.engine.request import GenerateRequest, InvalidRequest, SamplingParams
 from sssd.verifier.serving.api_metrics import CONTENT_TYPE, ApiMetrics, RequestTracker
 from sssd.verifier.serving.backend import Backend, RequestHandle, StreamEvent
@@ -647,9 +649,10 @@ class EventStream(StreamingResponse):
 
 
 class HttpServer:
-    """uvicorn serving an OpenAIApi on a thread of its own."""
+    """uvicorn serving an OpenAIApi on a thread of its own; over TLS with the same files as the
+    gRPC API (SSSD_TLS_CERT/KEY; with SSSD_TLS_CA clients must present a certificate)."""
 
-    def __init__(self, api: OpenAIApi, host: str, port: int) -> None:
+    def __init__(self, api: OpenAIApi, host: str, port: int, tls: TlsFiles | None = None) -> None:
         self.api = api
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
@@ -663,8 +666,14 @@ class HttpServer:
         self._socket.listen(256)
         self.host = host
         self.port = self._socket.getsockname()[1]
+        self.tls = tls if tls is not None and tls.serves_tls else None
+        secure = {}
+        if self.tls is not None:
+            secure = {"ssl_certfile": self.tls.cert, "ssl_keyfile": self.tls.key}
+            if self.tls.ca:
+                secure |= {"ssl_ca_certs": self.tls.ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
         config = uvicorn.Config(api.app, log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=1, access_log=False)
+                                timeout_graceful_shutdown=1, access_log=False, **secure)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run,
                                         kwargs={"sockets": [self._socket]},
@@ -683,7 +692,7 @@ class HttpServer:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
     def stop(self) -> None:
         self._server.should_exit = True
