@@ -290,7 +290,7 @@ def serving_lines(host: str, frontend: Frontend) -> str:
     if endpoints is not None and endpoints.get("auth") == "token":
         login = f" (token in {endpoints['token_file']})" if endpoints.get("token_file") \
             else " (token: $RAY_AUTH_TOKEN)"
-    lines = [f"[4/5] serving the Generate API (gRPC) on {target}"]
+    lines = [f"[4/5] serving the Generate API on {target} (gRPC)"]
     if frontend.http is not None:
         lines.append(f"      OpenAI-compatible HTTP API on {frontend.http_url}/v1 "
                      f"(metrics {frontend.http_url}/metrics)")

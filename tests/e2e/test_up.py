@@ -19,7 +19,9 @@ def test_sssd_up_once_serves_a_prompt_and_stops(tmp_path, warm_datastore, free_p
     answered through the API, identical with and without speculation and to plain greedy
     decoding."""
     sssd = Path(sys.executable).with_name("sssd")
-    command = [str(sssd), "up", "--once", "--datastore", warm_datastore,
+    http_port = free_port()
+    command = [str(sssd), "up", "--once", "--datastore", warm_datastore, "--http-port",
+               str(http_port),
                "--speculator", "--speculator-draft-layers", "2",
                "--speculator-port", str(free_port()),
                "--speculator-metrics-port", str(free_port()),
@@ -40,7 +42,11 @@ def test_sssd_up_once_serves_a_prompt_and_stops(tmp_path, warm_datastore, free_p
     for step in ("[1/5] live datastore var/live/datastore (seeded from ",
                  "[2/5] drafter service on 127.0.0.1:",
                  "[3/5] starting Ray (1 prefill + 1 decode workers, auth token)",
-                 "[4/5] serving the Generate API on 127.0.0.1:", ">>> Name a colour."):
+                 "[4/5] serving the Generate API on 127.0.0.1:", ">>> Name a colour.",
+                 # HTTPS with the stack's TLS files, and how to call it
+                 f"OpenAI-compatible HTTP API on https://127.0.0.1:{http_port}/v1",
+                 f"curl https://127.0.0.1:{http_port}/v1/chat/completions",
+                 f'OpenAI(base_url="https://127.0.0.1:{http_port}/v1"'):
         assert step in out, out
     assert "[speculation: " in out and "tokens per step; first steps: budget " in out
     assert "[speedup " in out and "answers each to this prompt, alternating" in out
@@ -89,3 +95,37 @@ def test_sssd_up_names_a_taken_port_before_starting_anything(tmp_path, free_port
     assert f"port {drafter_port} is given to both --drafter-port and --indexer-port" \
         in done.stderr
     assert not (tmp_path / "var").exists()  # nothing was started or written
+
+
+def test_sssd_up_no_ray_serves_from_its_own_process(tmp_path, warm_datastore, free_port):
+    """`--no-ray`: the engine in the API's process (no Ray cluster), the same check."""
+    sssd = Path(sys.executable).with_name("sssd")
+    http_port = free_port()
+    done = subprocess.run(
+        [str(sssd), "up", "--once", "--no-ray", "--no-live", "--datastore", warm_datastore,
+         "--port", str(free_port()), "--http-port", str(http_port), "--drafter-port",
+         str(free_port()), "--max-batch-size", "2", "--max-len", "512", "--max-tokens", "12",
+         "--prompt", "Name a colour.", "--check-rounds", "1"],
+        cwd=tmp_path, env={k: v for k, v in os.environ.items()
+                           if not k.startswith(("RAY_", "SSSD_"))},
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "[3/5] loading the model into this process (--no-ray)" in out
+    assert "the engine runs in this process (--no-ray)" in out and "Ray dashboard" not in out
+    assert f"OpenAI-compatible HTTP API on http://127.0.0.1:{http_port}/v1" in out
+    assert "[outputs with and without speculation: identical" in out
+    assert "to plain greedy decoding" in out and "DIFFERENT" not in out
+    assert not (tmp_path / "var" / "ray").exists()
+
+
+def test_sssd_serve_names_a_taken_http_port(tmp_path):
+    sssd = Path(sys.executable).with_name("sssd")
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        done = subprocess.run([str(sssd), "serve", "--port", "0", "--http-port", str(taken)],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert f"port {taken} (--http-port) is in use by another process" in done.stderr
