@@ -133,6 +133,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     mode: str  # the speculation field
+    continuous_usage: bool = False  # vLLM's extension: the usage so far in every chunk
 
 
 class OpenAIApi:
@@ -358,7 +359,7 @@ class OpenAIApi:
         if n is not None and n != 1:
             raise ApiError(400, f"n: only 1 choice per request is supported, got {n!r}", "n")
         stream = _bool(body, "stream", False)
-        include_usage = False
+        include_usage = continuous_usage = False
         options = body.get("stream_options")
         if options is not None:
             if not stream:
@@ -369,9 +370,8 @@ class OpenAIApi:
                 raise ApiError(400, "stream_options: an object with include_usage",
                                "stream_options")
             include_usage = _bool(options, "include_usage", False, "stream_options")
-            if _bool(options, "continuous_usage_stats", False, "stream_options"):
-                raise ApiError(400, "stream_options.continuous_usage_stats: not supported",
-                               "stream_options")
+            continuous_usage = _bool(options, "continuous_usage_stats", False,
+                                     "stream_options")
         stop = body.get("stop")
         if stop is None:
             stop = []
@@ -401,7 +401,7 @@ class OpenAIApi:
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), _field_of(str(exc), "messages" if chat
                                                     else "prompt")) from None
-        return ParsedRequest(request, stream, include_usage, mode)
+        return ParsedRequest(request, stream, include_usage, mode, continuous_usage)
 
     def _max_tokens(self, body: dict, chat: bool) -> int:
         names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
@@ -608,7 +608,9 @@ class _Answer:
         chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat
                  else "text_completion", "created": self.created, "model": self.model,
                  "choices": [choice]}
-        if self.parsed.include_usage:
+        if self.parsed.continuous_usage:
+            chunk["usage"] = self.usage()
+        elif self.parsed.include_usage:
             chunk["usage"] = None
         return chunk
 

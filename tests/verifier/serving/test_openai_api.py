@@ -176,6 +176,12 @@ def test_sse_framing_and_usage_only_when_asked(frontend):
     whole = post(frontend, "/v1/chat/completions", body | {"stream": False})[1]
     assert text == whole["choices"][0]["message"]["content"]
     assert last["usage"] == whole["usage"]
+    # vLLM's continuous_usage_stats (GuideLLM asks for it): the usage so far in every chunk.
+    _, raw = sse_events(frontend, body | {"stream_options": {"include_usage": True,
+                                                             "continuous_usage_stats": True}})
+    payloads = [json.loads(e.removeprefix(b"data: ")) for e in raw.split(b"\n\n")[:-2]]
+    counts = [p["usage"]["completion_tokens"] for p in payloads]
+    assert counts == sorted(counts) and counts[-1] == 6 and payloads[-1]["choices"] == []
 
 
 @pytest.mark.parametrize("endpoint,field,value", [
