@@ -28,16 +28,23 @@ def has_root_path(tree, tokens) -> bool:
     return True
 
 
+def publishing_frontend(tmp_path, redis_server, stream, mode="prompt_lookup", datastore=None):
+    """A float32 frontend (gRPC and HTTP on OS-picked ports) that publishes every finished
+    conversation to `stream`."""
+    engine = EngineConfig(dtype="float32", mode=mode, max_batch_size=2,
+                          max_len=512 if datastore else 256, budget_policy="rule",
+                          datastore_dir=datastore)
+    return start_frontend(FrontendConfig(
+        engine=engine, port=0, http_port=0, max_requests=2, max_workers=4,
+        publish=PublishConfig(redis_server.url, str(tmp_path / "spool"), stream=stream)))
+
+
 def test_api_conversations_become_drafts(tmp_path, target_model_fp32):
     redis_server = RedisServer(tmp_path / "redis").start()
     datastore = tmp_path / "live-datastore"
     datastore.mkdir()
     stream = "test:live"
-    engine = EngineConfig(dtype="float32", mode="sssd", max_batch_size=2, max_len=512,
-                          datastore_dir=str(datastore), budget_policy="rule")
-    frontend = start_frontend(FrontendConfig(
-        engine=engine, port=0, http_port=0, max_requests=2, max_workers=4,
-        publish=PublishConfig(redis_server.url, str(tmp_path / "spool"), stream=stream)))
+    frontend = publishing_frontend(tmp_path, redis_server, stream, "sssd", str(datastore))
     try:
         frontend.load(target_model_fp32)
         with GenerationClient(f"127.0.0.1:{frontend.port}", RetryPolicy(attempts=1)) as client:
@@ -84,11 +91,7 @@ def test_redis_down_while_requests_run_loses_no_request_and_no_conversation(
         tmp_path, target_model_fp32):
     redis_server = RedisServer(tmp_path / "redis").start()
     stream = "test:outage"
-    engine = EngineConfig(dtype="float32", mode="prompt_lookup", max_batch_size=2, max_len=256,
-                          budget_policy="rule")
-    frontend = start_frontend(FrontendConfig(
-        engine=engine, port=0, http_port=0, max_requests=2, max_workers=4,
-        publish=PublishConfig(redis_server.url, str(tmp_path / "spool"), stream=stream)))
+    frontend = publishing_frontend(tmp_path, redis_server, stream)
     try:
         frontend.load(target_model_fp32)
         prompts = ["Name a fruit.", "Name a river.", "Name a planet.", "Name a metal."]
@@ -155,11 +158,7 @@ def test_a_conversation_over_http_reaches_the_stream_once_and_is_indexed(tmp_pat
     datastore = tmp_path / "live-datastore"
     datastore.mkdir()
     stream = "test:http"
-    engine = EngineConfig(dtype="float32", mode="prompt_lookup", max_batch_size=2, max_len=256,
-                          budget_policy="rule")
-    frontend = start_frontend(FrontendConfig(
-        engine=engine, port=0, http_port=0, max_requests=2, max_workers=4,
-        publish=PublishConfig(redis_server.url, str(tmp_path / "spool"), stream=stream)))
+    frontend = publishing_frontend(tmp_path, redis_server, stream)
     try:
         frontend.load(target_model_fp32)
         request = urllib.request.Request(

@@ -9,18 +9,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sssd.client import GenerationClient, RetryPolicy, build_request
 from sssd.v1 import generate_pb2, generate_pb2_grpc
-from sssd.verifier.engine.config import EngineConfig
-from sssd.verifier.serving.frontend import SERVICE_NAME, FrontendConfig, start_frontend
+from sssd.verifier.serving.frontend import SERVICE_NAME, start_frontend
+
+from support.serving import frontend_config
 
 MAX_LEN = 1024
 
 
 def make_config(datastore, **overrides):
-    engine = EngineConfig(dtype="float32", mode="sssd", max_batch_size=4, max_len=MAX_LEN,
-                          datastore_dir=datastore, budget_policy="rule")
-    values = dict(engine=engine, port=0, http_port=0, max_requests=3, max_workers=8, grace_s=5.0)
-    values.update(overrides)
-    return FrontendConfig(**values)
+    return frontend_config(datastore, MAX_LEN, **overrides)
 
 
 @pytest.fixture(scope="module")

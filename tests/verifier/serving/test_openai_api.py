@@ -13,19 +13,16 @@ import openai
 import pytest
 
 from sssd.client import GenerationClient, RetryPolicy
-from sssd.verifier.engine.config import EngineConfig
-from sssd.verifier.serving.frontend import FrontendConfig, start_frontend
+from sssd.verifier.serving.frontend import start_frontend
+
+from support.serving import frontend_config
 
 MAX_LEN = 1024
 
 
 def make_config(datastore, **overrides):
-    engine = EngineConfig(dtype="float32", mode="sssd", max_batch_size=4, max_len=MAX_LEN,
-                          datastore_dir=datastore, budget_policy="rule")
-    values = dict(engine=engine, port=0, http_port=0, max_requests=20, max_workers=40,
-                  grace_s=5.0, max_tokens_limit=600)
-    values.update(overrides)
-    return FrontendConfig(**values)
+    values = dict(max_requests=20, max_workers=40, max_tokens_limit=600) | overrides
+    return frontend_config(datastore, MAX_LEN, **values)
 
 
 @pytest.fixture(scope="module")
