@@ -39,6 +39,17 @@ def publishing_frontend(tmp_path, redis_server, stream, mode="prompt_lookup", da
         publish=PublishConfig(redis_server.url, str(tmp_path / "spool"), stream=stream)))
 
 
+def index_once(datastore, loaded, redis_server, stream):
+    """Runs an indexer over `stream` into `datastore` until it has built a shard (20 s)."""
+    indexer = Indexer(IndexerConfig(
+        datastore_dir=str(datastore), vocab_size=loaded.vocab_size,
+        tokenizer_fingerprint=loaded.fingerprint, redis_url=redis_server.url, stream=stream,
+        build_tokens=1, block_ms=100))
+    deadline = time.monotonic() + 20
+    while indexer.stats.builds == 0 and time.monotonic() < deadline:
+        indexer.poll()
+
+
 def test_api_conversations_become_drafts(tmp_path, target_model_fp32):
     redis_server = RedisServer(tmp_path / "redis").start()
     datastore = tmp_path / "live-datastore"
@@ -67,13 +78,7 @@ def test_api_conversations_become_drafts(tmp_path, target_model_fp32):
 
         assert drafter.info()["num_datastore_tokens"] == 0
         assert not drafts_expected()  # the context alone does not predict the answer
-        indexer = Indexer(IndexerConfig(
-            datastore_dir=str(datastore), vocab_size=target_model_fp32.vocab_size,
-            tokenizer_fingerprint=target_model_fp32.fingerprint, redis_url=redis_server.url,
-            stream=stream, build_tokens=1, block_ms=100))
-        deadline = time.monotonic() + 20
-        while indexer.stats.builds == 0 and time.monotonic() < deadline:
-            indexer.poll()
+        index_once(datastore, target_model_fp32, redis_server, stream)
         (document,) = read_documents(datastore)
         assert len(document) == prompt + 32 and document[prompt:] == result.token_ids
         assert document == prompt_ids + result.token_ids
@@ -181,13 +186,7 @@ def test_a_conversation_over_http_reaches_the_stream_once_and_is_indexed(tmp_pat
         assert tokenizer.decode(output, skip_special_tokens=True) == \
             reply["choices"][0]["message"]["content"]
         assert fields[b"fingerprint"].decode() == target_model_fp32.fingerprint
-        indexer = Indexer(IndexerConfig(
-            datastore_dir=str(datastore), vocab_size=target_model_fp32.vocab_size,
-            tokenizer_fingerprint=target_model_fp32.fingerprint, redis_url=redis_server.url,
-            stream=stream, build_tokens=1, block_ms=100))
-        deadline = time.monotonic() + 20
-        while indexer.stats.builds == 0 and time.monotonic() < deadline:
-            indexer.poll()
+        index_once(datastore, target_model_fp32, redis_server, stream)
         assert read_documents(datastore) == [prompt + output]
     finally:
         frontend.stop(0)
