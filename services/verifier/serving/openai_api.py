@@ -235,7 +235,10 @@ class OpenAIApi:
         try:
             body = await self._body(http)
             backend = self._serving().backend
-            parsed = self._parse(body, chat)
+            # Tokenizing (a chat template, up to 4 MiB of text) off the event loop, so other
+            # streams are not held up behind it.
+            parsed = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._parse, body, chat)
             try:
                 handle = backend.submit(parsed.request)
             except InvalidRequest as exc:
