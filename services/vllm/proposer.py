@@ -235,8 +235,7 @@ class VllmDrafterProposer:
         while not self._stopping.wait(period):
             with self._lock:
                 if self._rows and time.monotonic() - self._last_call >= self.settings.idle_s:
-                    self._end_rows(range(len(self._rows)))
-                    self._rows.clear()
+                    self._end_all()
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """vLLM's CPU runner asks every drafter to load a model; this one has none."""
@@ -284,8 +283,7 @@ class VllmDrafterProposer:
 
     def close(self) -> None:
         with self._lock:
-            self._end_rows(range(len(self._rows)))
-            self._rows.clear()
+            self._end_all()
         if self.publisher is not None:
             self._stopping.set()
             self._watcher.join(5)
@@ -315,11 +313,8 @@ class VllmDrafterProposer:
                     rows[row] = state
                     claimed.add(state.seq_id)
                     break
-        ended = [state for state in previous
-                 if state is not None and state.seq_id not in claimed]
-        for state in ended:
-            self._publish(state)
-        self._end_ids([state.seq_id for state in ended])
+        self._end([state for state in previous
+                   if state is not None and state.seq_id not in claimed])
         return rows
 
     def _requests(self, contexts: list[np.ndarray]) -> list[DraftRequest]:
@@ -348,11 +343,16 @@ class VllmDrafterProposer:
     def _new_id(self) -> str:
         return f"vllm-{self._prefix}-{next(self._ids)}"
 
-    def _end_rows(self, rows: range) -> None:
-        ended = [state for row in rows if (state := self._rows[row]) is not None]
-        for state in ended:
+    def _end_all(self) -> None:
+        """Every row's sequence has ended (vLLM idle, or the proposer closes)."""
+        self._end([state for state in self._rows if state is not None])
+        self._rows.clear()
+
+    def _end(self, states: list[_Row]) -> None:
+        """Sequences that ended: published, then ended in the drafter."""
+        for state in states:
             self._publish(state)
-        self._end_ids([state.seq_id for state in ended])
+        self._end_ids([state.seq_id for state in states])
 
     def _publish(self, state: _Row) -> None:
         """A sequence that ended, to the live datastore (once: its row state is dropped after).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 
 def frontend_config(datastore, max_len: int, **overrides):
     """A float32 SSSD frontend on OS-picked ports (gRPC and HTTP) over `datastore`, with the
@@ -15,3 +17,16 @@ def frontend_config(datastore, max_len: int, **overrides):
                   grace_s=5.0)
     values.update(overrides)
     return FrontendConfig(**values)
+
+
+@contextmanager
+def running_frontend(config, loaded):
+    """A started frontend serving `loaded`, stopped on leaving."""
+    from sssd.verifier.serving.frontend import start_frontend
+
+    frontend = start_frontend(config)
+    try:
+        frontend.load(loaded)
+        yield frontend
+    finally:
+        frontend.stop(0)

@@ -250,8 +250,7 @@ class Engine:
         for token in tokens:
             seq.output_ids.append(token)
             appended.append(token)
-            reason = end_reason(token, len(seq.output_ids), seq.request.max_tokens,
-                                () if seq.request.ignore_eos else self.eos_token_ids)
+            reason = end_reason(token, len(seq.output_ids), seq.request, self.eos_token_ids)
             if reason != "stop" and seq.request.stop and self._hit_stop(seq, token):
                 reason = "stop"  # a stop string ends it before the length limit does
             elif reason is None and seq.num_tokens + 1 >= self.runner.max_len:

@@ -158,14 +158,14 @@ class RequestLimits:
                                  f"--speculator)")
 
 
-def end_reason(token_id: int, num_output_tokens: int, max_tokens: int,
+def end_reason(token_id: int, num_output_tokens: int, request: GenerateRequest,
                eos_token_ids: Collection[int]) -> str | None:
-    """How an answer ends at its `num_output_tokens`-th token `token_id`, as far as the token ids
-    tell (the engine and the Ray backend's failover both judge by it): EOS ends it as "stop",
-    reaching `max_tokens` as "length", else None. Stop strings (on the text) and the end of the
-    context window are the engine's own checks."""
-    if token_id in eos_token_ids:
+    """How `request`'s answer ends at its `num_output_tokens`-th token `token_id`, as far as the
+    token ids tell (the engine and the Ray backend's failover both judge by it): EOS ends it as
+    "stop" (unless the request ignores EOS), reaching max_tokens as "length", else None. Stop
+    strings (on the text) and the end of the context window are the engine's own checks."""
+    if token_id in eos_token_ids and not request.ignore_eos:
         return "stop"
-    if num_output_tokens >= max_tokens:
+    if num_output_tokens >= request.max_tokens:
         return "length"
     return None

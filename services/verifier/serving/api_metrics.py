@@ -106,7 +106,6 @@ class ApiMetrics:
         # client reading /metrics before and after a run sees both.
         for twin in (self.drafts, self.draft_tokens, self.accepted):
             twin.labels(model_name)
-        self._model = (model_name,)
 
     def refused_request(self, kind: str) -> None:
         self.refused.labels(self.model_name, kind).inc()
@@ -115,7 +114,7 @@ class ApiMetrics:
         """Call once a request is admitted; record its events into the tracker."""
         for metric in (self.running, self.vllm_running):
             metric.labels(self.model_name).inc()
-        for counter in self.prompt_tokens.labels(*self._model):
+        for counter in self.prompt_tokens.labels(self.model_name):
             counter.inc(num_prompt_tokens)
         return RequestTracker(self)
 
@@ -131,12 +130,11 @@ class RequestTracker:
         self.arrival = self.last = time.perf_counter()
         self.first_token_at: float | None = None
         self.num_tokens = 0
-        self.num_steps = 0
-        self.num_accepted = 0
         self.is_ended = False
 
     def event(self, event: StreamEvent) -> None:
-        m, model = self.metrics, self.metrics._model
+        m = self.metrics
+        model = (m.model_name,)
         now = time.perf_counter()
         count = len(event.token_ids)
         if count:
@@ -157,8 +155,6 @@ class RequestTracker:
             self.last = now
         step = event.step
         if step is not None:
-            self.num_steps += 1
-            self.num_accepted += step.accepted_tokens
             if step.drafted_tokens:
                 for counter in m.drafts.labels(*model):
                     counter.inc()
@@ -179,7 +175,8 @@ class RequestTracker:
         if self.is_ended:
             return
         self.is_ended = True
-        m, model = self.metrics, self.metrics._model
+        m = self.metrics
+        model = (m.model_name,)
         now = time.perf_counter()
         for metric in (m.running, m.vllm_running):
             metric.labels(m.model_name).dec()

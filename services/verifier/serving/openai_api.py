@@ -217,7 +217,7 @@ class OpenAIApi:
             tokenizer = self._serving().tokenizer
             _refuse_unknown(body, {"model", "tokens"})
             self._check_model(body)
-            tokens = self._token_ids(body.get("tokens"), "tokens", allow_empty=True)
+            tokens = self._token_ids(body.get("tokens"))
         except ApiError as exc:
             return exc.response()
         return JSONResponse({"prompt": tokenizer.decode(tokens)})
@@ -426,7 +426,7 @@ class OpenAIApi:
                 raise ApiError(400, "prompt: must not be empty", "prompt")
             return list(self.tokenizer.encode(prompt))
         if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-            return self._token_ids(prompt, "prompt")
+            return prompt  # the backend's RequestLimits checks them against the vocabulary
         if isinstance(prompt, list) and len(prompt) > 1 and all(
                 isinstance(p, (str, list)) for p in prompt):
             raise ApiError(400, "prompt: one prompt per request (batches are not supported)",
@@ -434,15 +434,15 @@ class OpenAIApi:
         raise ApiError(400, "prompt: a non-empty string or a non-empty list of token ids",
                        "prompt")
 
-    def _token_ids(self, tokens: object, field: str, allow_empty: bool = False) -> list[int]:
-        if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens) or \
-                (not tokens and not allow_empty):
-            raise ApiError(400, f"{field}: a list of token ids", field)
+    def _token_ids(self, tokens: object) -> list[int]:
+        """/detokenize's `tokens`: ids of the tokenizer (no backend checks them there)."""
+        if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+            raise ApiError(400, "tokens: a list of token ids", "tokens")
         vocab = len(self.tokenizer)
         bad = next((t for t in tokens if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ApiError(400, f"{field}: token id {bad} is outside the vocabulary [0, "
-                           f"{vocab})", field)
+            raise ApiError(400, f"tokens: token id {bad} is outside the vocabulary [0, {vocab})",
+                           "tokens")
         return tokens
 
     def _chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:

@@ -344,8 +344,8 @@ class RayBackend:
         """A worker that died after the answer's last token and before its end: ends the
         stream here (EOS or max_tokens reached) and returns True; else False."""
         tokens = progress.token_ids
-        eos = () if request.ignore_eos else self._eos_token_ids
-        reason = end_reason(tokens[-1], len(tokens), request.max_tokens, eos) if tokens else None
+        reason = end_reason(tokens[-1], len(tokens), request, self._eos_token_ids) \
+            if tokens else None
         if reason is None:
             return False
         handle.events.put(StreamEvent([], "", totals=request_totals(

@@ -11,7 +11,7 @@ from sssd.client import GenerationClient, RetryPolicy, build_request
 from sssd.v1 import generate_pb2, generate_pb2_grpc
 from sssd.verifier.serving.frontend import SERVICE_NAME, start_frontend
 
-from support.serving import frontend_config
+from support.serving import frontend_config, running_frontend
 
 MAX_LEN = 1024
 
@@ -22,10 +22,8 @@ def make_config(datastore, **overrides):
 
 @pytest.fixture(scope="module")
 def frontend(target_model_fp32, warm_datastore):
-    frontend = start_frontend(make_config(warm_datastore))
-    frontend.load(target_model_fp32)
-    yield frontend
-    frontend.stop(0)
+    with running_frontend(make_config(warm_datastore), target_model_fp32) as frontend:
+        yield frontend
 
 
 @pytest.fixture(scope="module")

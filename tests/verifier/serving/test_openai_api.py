@@ -15,7 +15,7 @@ import pytest
 from sssd.client import GenerationClient, RetryPolicy
 from sssd.verifier.serving.frontend import start_frontend
 
-from support.serving import frontend_config
+from support.serving import frontend_config, running_frontend
 
 MAX_LEN = 1024
 
@@ -27,10 +27,8 @@ def make_config(datastore, **overrides):
 
 @pytest.fixture(scope="module")
 def frontend(target_model_fp32, warm_datastore):
-    frontend = start_frontend(make_config(warm_datastore))
-    frontend.load(target_model_fp32)
-    yield frontend
-    frontend.stop(0)
+    with running_frontend(make_config(warm_datastore), target_model_fp32) as frontend:
+        yield frontend
 
 
 @pytest.fixture(scope="module")
