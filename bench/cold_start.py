@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import statistics
 import tempfile
 import threading
@@ -167,9 +168,10 @@ def main(argv: list[str] | None = None) -> None:
         publisher.close(1)
         drafter.close()
         redis_server.stop()
+        shutil.rmtree(work, ignore_errors=True)
     plot(rows, args.png, f"cold start through the live path: MT-Bench x {args.max_tokens} "
                          f"tokens, batch 1, {args.dtype}")
-    logger.info("wrote %s (work files in %s)", args.png, work)
+    logger.info("wrote %s", args.png)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import os
 import statistics
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -308,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
         if drafter is not None:
             drafter[0].terminate()
             drafter[0].wait(10)
+        shutil.rmtree(work, ignore_errors=True)  # the exported models are gigabytes
     try:
         print(f"wrote {out} and {plot(rows, out.with_suffix('.png'))}", file=sys.stderr)
     except ImportError:

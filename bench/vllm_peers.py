@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -310,6 +311,7 @@ def main() -> None:
         for process, _ in drafters.values():
             process.terminate()
             process.wait(10)
+        shutil.rmtree(work, ignore_errors=True)  # the exported model is hundreds of MB
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(row) + "\n" for row in rows))
