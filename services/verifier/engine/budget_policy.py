@@ -47,7 +47,8 @@ class BudgetPolicy(Protocol):
                 step_s: float | None) -> None:
         """After a step at `budget`: per row, the tree nodes of its accepted path; the seconds
         the step's speculation work took (drafting, verification, acceptance), None when they
-        say nothing about `budget` (a step that drafted a larger tree than it verified)."""
+        say nothing about `budget` (a step that drafted a larger tree than it verified, or one
+        whose forward pass also prefilled a prompt)."""
 
     def draft_budget(self, batch_size: int, budget: int) -> int:
         """The budget to draft at when `budget` is verified: larger on the steps whose extra

@@ -24,6 +24,7 @@ transformers forward otherwise, and logs why.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,16 @@ FAMILIES = ("llama", "qwen2")
 # (Qwen2.5-1.5B, bf16, every product of a step: 93 / 111 / 78 / 74 ms for 1 / 2 / 3 / 4 rows).
 MIN_PRODUCT_ROWS = 4
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # sssd._kernels' Dtype
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One step's rows in a forward pass that may hold several: a batch of trees over cache
+    slots [first_slot, first_slot + its batch size)."""
+
+    batch: TreeBatch
+    first_slot: int
+    logits_to_keep: int = 0  # logits for each row's last positions only (0: every node)
 
 
 class UnsupportedModel(ValueError):
@@ -205,24 +216,52 @@ class Decoder:
         node's keys and values at the batch's write positions. Returns logits [num_seqs,
         num_nodes or logits_to_keep, vocab_size] in the model's dtype (`logits_to_keep`: only
         the last positions of each row; 0: all)."""
+        return self.forward_segments([Segment(batch, first_slot, logits_to_keep)], cache)[0]
+
+    def forward_segments(self, segments: Sequence[Segment],
+                         cache: SlotKVCache) -> list[torch.Tensor]:
+        """Several steps in one pass (verification rows and prompts together): each segment as
+        `forward` would compute it alone, to the bit, since a row's products and attention do
+        not depend on the rows beside it (see _layers_fused). The matrix products read the
+        weights once for all of them. Returns each segment's logits."""
+        if not self.fused:  # the PyTorch operations take one step at a time
+            return [self._forward_unfused(segment, cache) for segment in segments]
+        x = self._layers_fused(segments, cache)
+        kept, offset = [], 0  # the rows that need logits, from every segment
+        for segment in segments:
+            num_seqs, num_nodes = segment.batch.input_ids.shape
+            rows = x[offset:offset + num_seqs * num_nodes].view(num_seqs, num_nodes, -1)
+            if segment.logits_to_keep:
+                rows = rows[:, -segment.logits_to_keep:]
+            kept.append(rows.reshape(-1, rows.shape[-1]))
+            offset += num_seqs * num_nodes
+        x = kept[0] if len(kept) == 1 else torch.cat(kept)
+        logits = self._head(x)
+        outputs, offset = [], 0
+        for segment, rows in zip(segments, kept):
+            num_seqs = segment.batch.input_ids.shape[0]
+            outputs.append(logits[offset:offset + rows.shape[0]].view(num_seqs, -1,
+                                                                      self.vocab_size))
+            offset += rows.shape[0]
+        return outputs
+
+    def _forward_unfused(self, segment: Segment, cache: SlotKVCache) -> torch.Tensor:
+        batch = segment.batch
         num_seqs, num_nodes = batch.input_ids.shape
-        num_tokens = num_seqs * num_nodes
-        if self.fused:
-            x = self._layers_fused(batch, cache, first_slot)[:num_tokens]
-        else:
-            cache.begin_step(first_slot, num_seqs, batch.write_positions, batch.kv_len)
-            x = self._layers(batch, cache)
-        x = x.view(num_seqs, num_nodes, -1)
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]
+        cache.begin_step(segment.first_slot, num_seqs, batch.write_positions, batch.kv_len)
+        x = self._layers(batch, cache).view(num_seqs, num_nodes, -1)
+        if segment.logits_to_keep:
+            x = x[:, -segment.logits_to_keep:]
         rows = x.shape[1]
-        x = x.reshape(num_seqs * rows, -1)
-        if not self.fused:  # the fused path ends with the final norm applied
-            x = rms_norm(x, self.norm, self.eps)
+        x = rms_norm(x.reshape(num_seqs * rows, -1), self.norm, self.eps)
+        return self._head(x).view(num_seqs, rows, self.vocab_size)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """The output head over normed rows x [num_rows, hidden_size]: [num_rows, vocab]."""
         num_rows = x.shape[0]
         if self.pack and num_rows < MIN_PRODUCT_ROWS:
             x = torch.cat([x, x[-1:].expand(MIN_PRODUCT_ROWS - num_rows, -1)])
-        return self.lm_head(x)[:num_rows].view(num_seqs, rows, self.vocab_size)
+        return self.lm_head(x)[:num_rows]
 
     def rotary_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [length, head_dim] in the model's dtype, by the model's own rotary module
@@ -268,11 +307,11 @@ class Decoder:
             x = x + layer.down(F.silu(gate) * up)
         return x
 
-    def _layers_fused(self, batch: TreeBatch, cache: SlotKVCache,
-                      first_slot: int) -> torch.Tensor:
-        """Every layer with sssd._kernels between the matrix products; returns the final norm
-        of the hidden states [max(num_tokens, MIN_PRODUCT_ROWS), hidden_size] (the first
-        num_tokens rows are the step's).
+    def _layers_fused(self, segments: Sequence[Segment], cache: SlotKVCache) -> torch.Tensor:
+        """Every layer with sssd._kernels between the matrix products, the segments' tokens
+        one after another as the rows of every product; returns the final norm of the hidden
+        states [max(num_tokens, MIN_PRODUCT_ROWS), hidden_size] (the first num_tokens rows are
+        the segments', in order).
 
         oneDNN computes a row of a product the same way whatever the number of rows, from two
         rows up; a single row goes through a matrix-vector kernel that rounds differently. So a
@@ -281,54 +320,68 @@ class Decoder:
         1 or 2), and with the attention kernel's result depending only on the keys a node sees,
         a sequence's logits do not depend on the other sequences in the batch nor on the draft
         tree around a node: plain and speculative decoding give the same tokens in bfloat16
-        too, at every batch size."""
-        num_seqs, num_nodes = batch.input_ids.shape
-        num_tokens = num_seqs * num_nodes
-        num_rows = max(num_tokens, MIN_PRODUCT_ROWS) if self.pack else num_tokens
+        too, at every batch size, and a prompt prefilled beside verification rows gets the
+        logits it gets alone."""
         num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         code, eps, hidden, capacity = DTYPE_CODES[self.dtype], self.eps, self.hidden_size, \
             cache.capacity
-        if first_slot < 0 or first_slot + num_seqs > cache.max_seqs:
-            raise ValueError(f"slots [{first_slot}, {first_slot + num_seqs}) outside the cache's "
-                             f"{cache.max_seqs}")
-        if batch.kv_len > capacity:
-            raise ValueError(f"step needs {batch.kv_len} cache positions, the cache holds "
-                             f"{capacity}")
+        for segment in segments:
+            num_seqs = segment.batch.input_ids.shape[0]
+            if segment.first_slot < 0 or segment.first_slot + num_seqs > cache.max_seqs:
+                raise ValueError(f"slots [{segment.first_slot}, {segment.first_slot + num_seqs})"
+                                 f" outside the cache's {cache.max_seqs}")
+            if segment.batch.kv_len > capacity:
+                raise ValueError(f"step needs {segment.batch.kv_len} cache positions, the cache "
+                                 f"holds {capacity}")
         cos, sin = self.rotary_tables(capacity)
-        positions, cache_lens = batch.position_ids, batch.cache_lens  # int64, contiguous
-        tree_bits = batch.tree_bits  # None beyond MAX_TREE_NODES: attention by matrix products
-        ids = batch.input_ids.reshape(-1)
+        ids = torch.cat([s.batch.input_ids.reshape(-1) for s in segments]) \
+            if len(segments) > 1 else segments[0].batch.input_ids.reshape(-1)
+        num_tokens = ids.shape[0]
+        num_rows = max(num_tokens, MIN_PRODUCT_ROWS) if self.pack else num_tokens
         if num_rows > num_tokens:
             ids = torch.cat([ids, ids[-1:].expand(num_rows - num_tokens)])
         x = F.embedding(ids, self.embed)  # [num_rows, hidden_size]
         normed = torch.empty_like(x)
-        queries = torch.zeros(num_rows, num_heads * head_dim, dtype=self.dtype)
-        attended = torch.zeros(num_rows, num_heads * head_dim, dtype=self.dtype)
+        q_width = num_heads * head_dim
+        queries = torch.zeros(num_rows, q_width, dtype=self.dtype)
+        attended = torch.zeros(num_rows, q_width, dtype=self.dtype)
         activated = torch.empty(num_rows, self.intermediate_size, dtype=self.dtype)
-        x_ptr, normed_ptr, queries_ptr, attended_ptr, activated_ptr = (
-            t.data_ptr() for t in (x, normed, queries, attended, activated))
+        x_ptr, normed_ptr, activated_ptr = (t.data_ptr() for t in (x, normed, activated))
+        qkv_row_bytes = (num_heads + 2 * num_kv_heads) * head_dim * x.element_size()
+        q_row_bytes = q_width * x.element_size()
+        first_rows = [0]  # each segment's first row
+        for segment in segments:
+            first_rows.append(first_rows[-1] + segment.batch.input_ids.numel())
         _kernels.rms_norm(x_ptr, self.layers[0].input_norm.data_ptr(), normed_ptr, num_rows,
                           hidden, eps, code)
         for index, layer in enumerate(self.layers):
             keys, values = cache.keys[index], cache.values[index]
             qkv = layer.qkv(normed)  # [num_rows, (heads + 2 kv_heads) head_dim]
-            _kernels.rope_and_store(
-                qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
-                queries_ptr, keys.data_ptr(), values.data_ptr(), cache_lens.data_ptr(),
-                first_slot, num_seqs, num_nodes, num_heads, num_kv_heads, head_dim, capacity,
-                code)
-            if tree_bits is not None:
-                _kernels.attention(
-                    queries_ptr, keys.data_ptr(), values.data_ptr(), cache_lens.data_ptr(),
-                    tree_bits.data_ptr(), attended_ptr, first_slot, num_seqs, num_nodes,
-                    num_heads, num_kv_heads, head_dim, capacity, self.scale, code)
-            else:  # a prompt: two matrix products over the cache's view
-                rows = slice(first_slot, first_slot + num_seqs)
-                q = queries.view(num_seqs, num_nodes, num_heads, head_dim).transpose(1, 2)
-                out = grouped_attention(
-                    q, keys[rows, :, :batch.kv_len], values[rows, :, :batch.kv_len],
-                    batch.attention_mask, self.scale)  # [num_seqs, heads, nodes, head_dim]
-                attended[:num_tokens].copy_(out.transpose(1, 2).reshape(num_tokens, -1))
+            for segment, first_row in zip(segments, first_rows):
+                batch, first_slot = segment.batch, segment.first_slot
+                num_seqs, num_nodes = batch.input_ids.shape
+                queries_ptr = queries.data_ptr() + first_row * q_row_bytes
+                attended_ptr = attended.data_ptr() + first_row * q_row_bytes
+                _kernels.rope_and_store(
+                    qkv.data_ptr() + first_row * qkv_row_bytes, cos.data_ptr(), sin.data_ptr(),
+                    batch.position_ids.data_ptr(), queries_ptr, keys.data_ptr(),
+                    values.data_ptr(), batch.cache_lens.data_ptr(), first_slot, num_seqs,
+                    num_nodes, num_heads, num_kv_heads, head_dim, capacity, code)
+                if batch.tree_bits is not None:
+                    _kernels.attention(
+                        queries_ptr, keys.data_ptr(), values.data_ptr(),
+                        batch.cache_lens.data_ptr(), batch.tree_bits.data_ptr(), attended_ptr,
+                        first_slot, num_seqs, num_nodes, num_heads, num_kv_heads, head_dim,
+                        capacity, self.scale, code)
+                else:  # beyond MAX_TREE_NODES (a prompt): two matrix products over the cache
+                    rows = slice(first_slot, first_slot + num_seqs)
+                    tokens = slice(first_row, first_row + num_seqs * num_nodes)
+                    q = queries[tokens].view(num_seqs, num_nodes, num_heads, head_dim) \
+                        .transpose(1, 2)
+                    out = grouped_attention(
+                        q, keys[rows, :, :batch.kv_len], values[rows, :, :batch.kv_len],
+                        batch.attention_mask, self.scale)  # [num_seqs, heads, nodes, head_dim]
+                    attended[tokens].copy_(out.transpose(1, 2).reshape(-1, q_width))
             # Every tensor a kernel reads is held by a name until the call returns.
             projected = layer.o(attended)  # [num_rows, hidden_size]
             _kernels.add_rms_norm(x_ptr, projected.data_ptr(), layer.post_norm.data_ptr(),

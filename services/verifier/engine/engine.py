@@ -1,9 +1,11 @@
 """The verifier engine: continuous batching with lossless tree verification.
 
-One `step()` reads as schedule, draft, verify, accept, emit:
-1. schedule: admit waiting requests into free KV slots and prefill them (their first token);
-2. draft: one `propose` call for the whole running batch (drafting.py);
-3. verify: one forward pass over every draft tree;
+One `step()` reads as admit, draft, forward, accept, emit:
+1. admit: waiting requests take free KV slots (a prompt prefilled by another worker gets its
+   first token here);
+2. draft: one `propose` call for the sequences that were already running (drafting.py);
+3. forward: one pass over every draft tree and every admitted prompt, which gets its first token
+   (a step that admits reads the weights once, as vLLM's mixed prefill and decode batches do);
 4. accept: per row, the longest path the target agrees with (acceptance.py), and the KV cache
    keeps the accepted nodes only;
 5. emit: append the accepted tokens and the bonus token; EOS, stop strings and max_tokens end a
@@ -139,43 +141,72 @@ class Engine:
     # --- one step ------------------------------------------------------------------------------
 
     def step(self) -> StepOutput:
-        rows: dict[str, RowOutput] = {}  # by request id: a row admitted now has its first token
-        prefill_s = self._schedule(rows)
+        rows: dict[str, RowOutput] = {}  # by request id
         finished = self._retire()
-        running = self.scheduler.running
-        if not running:
+        verifying = list(self.scheduler.running)  # admitted in earlier steps
+        prompts, prefill_s = self._admit(rows)
+        drafts, budget, step_start = None, 1, time.perf_counter()
+        if verifying:
+            budget = self.budget_policy.budget(len(verifying))
+            drafts = self.drafting.draft(verifying, budget,
+                                         self._draft_budget(len(verifying), budget),
+                                         self.runner.room)
+        verify_s = 0.0
+        if drafts is not None or prompts:
+            logits, verify_s, prompt_s = self._forward(drafts, prompts, rows)
+            prefill_s += prompt_s
+        if drafts is None:  # admissions only
+            finished += self._retire()
             output = StepOutput(list(rows.values()), finished, prefill_s=prefill_s)
             self.stats.add(output)
             return output
-        budget = self.budget_policy.budget(len(running))
-        step_start = time.perf_counter()
-        drafts = self.drafting.draft(running, budget, self._draft_budget(len(running), budget),
-                                     self.runner.room)
-        logits, verify_s = self._verify(drafts.trees)
-        results = self._accept(running, drafts.trees, logits)
-        self._emit_verified(running, drafts, results, rows)
-        self._learn(len(running), budget, drafts, results, step_start)
+        results = self._accept(verifying, drafts.trees, logits)
+        self._emit_verified(verifying, drafts, results, rows)
+        # The policy prices a budget by the step's speculation work: a pass that also ran a
+        # prompt says nothing about it.
+        self._learn(len(verifying), budget, drafts, results, None if prompts else step_start)
         finished += self._retire()
         output = StepOutput(list(rows.values()), finished, len(results), budget, drafts.draft_s,
                             verify_s, prefill_s, drafts.num_errors, drafts.is_fallback)
         self.stats.add(output)
         return output
 
-    def _schedule(self, rows: dict[str, RowOutput]) -> float:
-        """Admits waiting sequences while slots are free; each gets its prefill token.
-        Returns the seconds spent prefilling."""
+    def _forward(self, drafts: Drafts | None, prompts: list[tuple[int, Sequence]],
+                 rows: dict[str, RowOutput]) -> tuple[torch.Tensor | None, float, float]:
+        """The step's one forward pass: the running rows' trees and the admitted prompts, whose
+        first tokens it samples. Returns the verification logits and the seconds of the pass
+        spent verifying and prefilling (a pass that does both splits its time by rows)."""
+        trees = drafts.trees if drafts is not None else []
         start = time.perf_counter()
+        logits, prompt_logits = self.runner.verify_and_prefill(
+            trees, [(slot, seq.request.context_ids) for slot, seq in prompts])
+        seconds = time.perf_counter() - start
+        for (_, seq), next_logits in zip(prompts, prompt_logits):
+            token_ids = self._append(seq, [self._sample_one(seq, next_logits)])
+            rows[seq.request_id] = RowOutput(seq.request_id, token_ids, seq.text, 0, 1,
+                                             is_verified=False)
+        prompt_tokens = sum(len(seq.request.context_ids) for _, seq in prompts)
+        tokens = prompt_tokens + sum(tree.num_nodes for tree in trees)
+        prefill_s = seconds * prompt_tokens / tokens
+        return logits, seconds - prefill_s, prefill_s
+
+    def _admit(self, rows: dict[str, RowOutput]) -> tuple[list[tuple[int, Sequence]], float]:
+        """Admits waiting sequences while slots are free. One whose prompt was prefilled
+        elsewhere gets its first token now; the others are returned with their slots, for the
+        step's forward pass. Returns them and the seconds spent taking over prefilled KV."""
+        start = time.perf_counter()
+        prompts = []
         while self.scheduler.can_admit():
             slot, seq = self.scheduler.admit()
-            if seq.prefilled is not None:
-                logits = self.runner.load_prefilled(slot, seq.prefilled)  # [vocab_size]
-                seq.prefilled = None  # the cache slot holds it now; free the transfer buffer
-            else:
-                logits = self.runner.prefill(slot, seq.request.context_ids)  # [vocab_size]
+            if seq.prefilled is None:
+                prompts.append((slot, seq))
+                continue
+            logits = self.runner.load_prefilled(slot, seq.prefilled)  # [vocab_size]
+            seq.prefilled = None  # the cache slot holds it now; free the transfer buffer
             token_ids = self._append(seq, [self._sample_one(seq, logits)])
             rows[seq.request_id] = RowOutput(seq.request_id, token_ids, seq.text, 0, 1,
                                              is_verified=False)
-        return time.perf_counter() - start
+        return prompts, time.perf_counter() - start
 
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
         if seq.request.sampling.is_greedy:
@@ -190,13 +221,6 @@ class Engine:
         if not self.drafting.has_hindsight:
             return budget
         return self.budget_policy.draft_budget(batch_size, budget)
-
-    def _verify(self, trees: list[DraftTree]) -> tuple[torch.Tensor, float]:
-        """One forward pass over every tree: [num_seqs, max_nodes, vocab_size] logits, and the
-        seconds it took."""
-        start = time.perf_counter()
-        logits = self.runner.verify(trees)  # [num_seqs, max_nodes, vocab_size]
-        return logits, time.perf_counter() - start
 
     def _accept(self, running: list[Sequence], trees: list[DraftTree],
                 logits: torch.Tensor) -> list[AcceptResult]:
@@ -222,21 +246,19 @@ class Engine:
         for seq, result, row_budget, tree in zip(running, results, drafts.budgets, drafts.trees):
             seq.num_steps += 1
             seq.num_accepted += result.num_accepted
-            earlier = rows.get(seq.request_id)  # admitted in this step: its prefill token
             token_ids = self._append(seq, result.emitted_tokens)
-            if earlier is not None:
-                token_ids = earlier.token_ids + token_ids
             rows[seq.request_id] = RowOutput(seq.request_id, token_ids, seq.text,
                                              result.num_accepted, row_budget, is_verified=True,
                                              num_drafted=tree.num_nodes - 1)
 
     def _learn(self, batch_size: int, budget: int, drafts: Drafts, results: list[AcceptResult],
-               step_start: float) -> None:
+               step_start: float | None) -> None:
         """The budget policy learns from the step: its cost and what each row accepted, and
         what earlier hindsight trees would have accepted, now that the tokens are out."""
         # The policy prices a budget by the whole step's speculation work; a step that drafted
         # a larger tree than it verified says nothing about the cost of `budget`.
-        step_s = None if drafts.is_hindsight else time.perf_counter() - step_start
+        step_s = None if drafts.is_hindsight or step_start is None \
+            else time.perf_counter() - step_start
         self.budget_policy.observe(batch_size, budget, [r.accepted_nodes for r in results],
                                    step_s)
         for decided in self.drafting.decided_in_hindsight():

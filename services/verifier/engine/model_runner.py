@@ -17,9 +17,9 @@ import torch
 
 from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.model.kv_cache import SlotKVCache
-from sssd.verifier.engine.decoder import Decoder, UnsupportedModel
+from sssd.verifier.engine.decoder import Decoder, Segment, UnsupportedModel
 from sssd.verifier.engine.handoff import PrefilledPrompt
-from sssd.verifier.engine.tree_batch import KV_ALIGN, build_tree_batch, chain_tree
+from sssd.verifier.engine.tree_batch import KV_ALIGN, TreeBatch, build_tree_batch, chain_tree
 
 logger = logging.getLogger(__name__)
 
@@ -86,13 +86,37 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, slot: int, token_ids: Sequence[int]) -> torch.Tensor:
         """Writes the prompt's KV into `slot`; returns the logits after it: [vocab_size] float32."""
-        if len(token_ids) + 1 > self.max_len:
-            raise ValueError(f"prompt of {len(token_ids)} tokens does not fit the cache "
-                             f"({self.max_len} positions)")
-        self.cache.set_length(slot, 0)
-        logits = self._forward([chain_tree(token_ids)], first_slot=slot, logits_to_keep=1)
-        self.cache.set_length(slot, len(token_ids))
-        return logits[0, -1].float()
+        return self.verify_and_prefill([], [(slot, token_ids)])[1][0]
+
+    @torch.inference_mode()
+    def verify_and_prefill(
+        self, trees: Sequence[DraftTree], prompts: Sequence[tuple[int, Sequence[int]]],
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """One forward pass that verifies the trees of slots [0, len(trees)) (as `verify`; call
+        `commit` afterwards) and prefills each (slot, prompt) of `prompts` into its slot, past
+        the verified ones. The verifier's own forward pass runs them together, so a decode step
+        that admits a request reads the weights once; each row's logits are those it gets in a
+        pass of its own. Returns the verification logits (None without trees) and each prompt's
+        next-token logits [vocab_size] float32."""
+        for slot, token_ids in prompts:
+            if len(token_ids) + 1 > self.max_len:
+                raise ValueError(f"prompt of {len(token_ids)} tokens does not fit the cache "
+                                 f"({self.max_len} positions)")
+            if slot < len(trees):
+                raise ValueError(f"slot {slot} holds a verified row of the same pass")
+            self.cache.set_length(slot, 0)
+        segments = [Segment(self._batch(trees, 0), 0)] if trees else []
+        segments += [Segment(self._batch([chain_tree(token_ids)], slot), slot, logits_to_keep=1)
+                     for slot, token_ids in prompts]
+        if self.decoder is not None:
+            outputs = self.decoder.forward_segments(segments, self.cache)
+        else:
+            outputs = [self._forward_transformers(s.batch, s.first_slot, s.logits_to_keep)
+                       for s in segments]
+        for slot, token_ids in prompts:
+            self.cache.set_length(slot, len(token_ids))
+        verified = outputs.pop(0) if trees else None
+        return verified, [logits[0, -1].float() for logits in outputs]
 
     @torch.inference_mode()
     def prefill_for_handoff(self, token_ids: Sequence[int], slot: int = 0) -> PrefilledPrompt:
@@ -138,14 +162,20 @@ class ModelRunner:
         """
         return self._forward(trees, first_slot=0)
 
-    def _forward(self, trees: Sequence[DraftTree], first_slot: int,
-                 logits_to_keep: int = 0) -> torch.Tensor:
-        """Trees of slots [first_slot, first_slot + len(trees)) through the model: raw logits."""
+    def _batch(self, trees: Sequence[DraftTree], first_slot: int) -> TreeBatch:
         cache_lens = [self.cache.lengths[first_slot + row] for row in range(len(trees))]
-        batch = build_tree_batch(trees, cache_lens, self.dtype, self.kv_align)
+        return build_tree_batch(trees, cache_lens, self.dtype, self.kv_align)
+
+    def _forward(self, trees: Sequence[DraftTree], first_slot: int) -> torch.Tensor:
+        """Trees of slots [first_slot, first_slot + len(trees)) through the model: raw logits."""
+        batch = self._batch(trees, first_slot)
         if self.decoder is not None:
-            return self.decoder.forward(batch, self.cache, first_slot, logits_to_keep)
-        self.cache.begin_step(first_slot, len(trees), batch.write_positions, batch.kv_len)
+            return self.decoder.forward(batch, self.cache, first_slot)
+        return self._forward_transformers(batch, first_slot)
+
+    def _forward_transformers(self, batch: TreeBatch, first_slot: int,
+                              logits_to_keep: int = 0) -> torch.Tensor:
+        self.cache.begin_step(first_slot, len(batch.trees), batch.write_positions, batch.kv_len)
         output = self.model(
             input_ids=batch.input_ids,
             position_ids=batch.position_ids,

@@ -138,3 +138,62 @@ def test_bf16_plain_greedy_is_the_same_at_every_batch_size(
         target_model_bf16.model.set_attn_implementation("sdpa")
     for index, (single, batched) in enumerate(zip(outputs[1], outputs[3])):
         assert single == batched, f"prompt {index} differs"
+
+
+def separate_and_merged(runner_factory, prompts):
+    """Slot 0 runs; then a tree over it is verified while prompts[1:] are prefilled into slots
+    1.., once as separate passes and once as one pass. Returns both (verification logits,
+    prompt logits, the next step's logits over every slot)."""
+    results = []
+    for merged in (False, True):
+        runner = runner_factory()
+        root = int(runner.prefill(0, prompts[0]).argmax())
+        tree = chain(root, 5)
+        admitted = list(enumerate(prompts[1:], start=1))
+        if merged:
+            verified, prompt_logits = runner.verify_and_prefill([tree], admitted)
+        else:
+            verified = runner.verify([tree])
+            prompt_logits = [runner.prefill(slot, prompt) for slot, prompt in admitted]
+        runner.commit([[1, 2]])
+        after = runner.verify([chain(int(logits.argmax()), 3)
+                               for logits in [verified[0, 2]] + prompt_logits])
+        results.append((verified, prompt_logits, after))
+    return results
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prompt_prefilled_beside_verification_gets_its_own_logits(
+        dtype, target_model_fp32, target_model_bf16, mt_bench_prompts):
+    if dtype == "bfloat16" and not packed_bf16_products_are_row_invariant():
+        pytest.skip("this CPU's prepacked bf16 products round a row differently with the "
+                    "number of rows")
+    model = (target_model_fp32 if dtype == "float32" else target_model_bf16).model
+    # Prompts of different lengths, one past the 64 nodes of the tree-mask kernel.
+    prompts = [mt_bench_prompts[0], mt_bench_prompts[1], list(mt_bench_prompts[2]) * 3]
+    assert len(prompts[2]) > 64
+    (verified, prompt_logits, after), (verified_1, prompt_logits_1, after_1) = \
+        separate_and_merged(lambda: ModelRunner(model, max_seqs=3, max_len=512,
+                                                model_impl="sssd"), prompts)
+    assert torch.equal(verified, verified_1)
+    for alone, beside in zip(prompt_logits, prompt_logits_1):
+        assert torch.equal(alone, beside)
+    assert torch.equal(after, after_1)  # the KV cache each wrote is the same too
+
+
+def test_the_transformers_forward_prefills_and_verifies_in_separate_passes(
+        target_model_fp32, mt_bench_prompts):
+    (verified, prompt_logits, after), (verified_1, prompt_logits_1, after_1) = \
+        separate_and_merged(lambda: ModelRunner(target_model_fp32.model, max_seqs=2,
+                                                max_len=512, model_impl="transformers"),
+                            mt_bench_prompts[:2])
+    assert torch.equal(verified, verified_1)
+    assert torch.equal(prompt_logits[0], prompt_logits_1[0])
+    assert torch.equal(after, after_1)
+
+
+def test_a_prompt_may_not_share_a_slot_with_a_verified_row(target_model_fp32, mt_bench_prompts):
+    runner = ModelRunner(target_model_fp32.model, max_seqs=2, max_len=512)
+    root = int(runner.prefill(0, mt_bench_prompts[0]).argmax())
+    with pytest.raises(ValueError, match="slot 0 holds a verified row"):
+        runner.verify_and_prefill([chain(root, 2)], [(0, mt_bench_prompts[1])])

@@ -151,3 +151,36 @@ def test_drafter_outage_and_restart_lose_nothing(engine_factory, mt_bench_prompt
         assert seq.output_ids == greedy_references[index][:48]
     assert engine.stats.num_draft_failures == 3
     assert engine.stats.num_accepted > 0  # speculation resumed after the outage and restart
+
+
+def test_a_step_that_admits_runs_one_forward_pass_and_teaches_the_policy_nothing(
+        engine_factory, mt_bench_prompts, greedy_references):
+    """Three prompts, two slots: the third is admitted while the others decode, and its prompt
+    rides in their verification pass. Outputs stay those of plain greedy decoding."""
+    engine, _ = engine_factory(2, proposer=None)
+    passes, observed = [], []
+    runner_pass, policy_observe = engine.runner.verify_and_prefill, engine.budget_policy.observe
+
+    def verify_and_prefill(trees, prompts):
+        passes.append((len(trees), [slot for slot, _ in prompts]))
+        return runner_pass(trees, prompts)
+
+    def observe(batch_size, budget, accepted_nodes, step_s):
+        observed.append((len(passes), step_s))
+        policy_observe(batch_size, budget, accepted_nodes, step_s)
+
+    engine.runner.verify_and_prefill, engine.budget_policy.observe = verify_and_prefill, observe
+    sequences = [engine.add_request(GenerateRequest(tuple(prompt), max_tokens))
+                 for prompt, max_tokens in zip(mt_bench_prompts[:3], (6, 20, 12))]
+    num_steps = 0
+    while engine.has_work():
+        engine.step()
+        num_steps += 1
+    assert len(passes) == num_steps  # one pass per step, none for a step of admissions only
+    assert passes[0] == (0, [0, 1])  # both first prompts in one pass
+    mixed = [i for i, (num_trees, slots) in enumerate(passes) if num_trees and slots]
+    assert len(mixed) == 1 and passes[mixed[0]] == (1, [1])  # the third, beside the second
+    for after_pass, step_s in observed:
+        assert (step_s is None) == (after_pass - 1 in mixed)
+    for seq, reference, max_tokens in zip(sequences, greedy_references, (6, 20, 12)):
+        assert seq.output_ids == reference[:max_tokens]
