@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from sssd.common.data.corpus import conversation_token_ids
 from sssd.common.model.files import resolve_model
 from sssd.common.model.loader import load_causal_lm
+from sssd.common.model.threads import off_main_thread
 from sssd.common.model.tokenizer import load_tokenizer
 from sssd.common.rpc import tls
 from sssd.common.rpc.targets import address
@@ -212,10 +213,13 @@ class Frontend:
             # Imported here: with Ray the engine (and torch) live in the workers only.
             from sssd.verifier.serving.assembly import build_engine_loop
 
-            loaded = loaded or load_causal_lm(engine_config.model, engine_config.dtype)
-            self.backend = build_engine_loop(engine_config, loaded, config.max_requests,
-                                             publish=config.publish)
-            tokenizer = loaded.tokenizer
+            def build():  # off the main thread: only the engine's thread keeps OpenMP workers
+                model = loaded or load_causal_lm(engine_config.model, engine_config.dtype)
+                return model, build_engine_loop(engine_config, model, config.max_requests,
+                                                publish=config.publish)
+
+            model, self.backend = off_main_thread(build)
+            tokenizer = model.tokenizer
         self.servicer.attach(self.backend, tokenizer)
         if self.http is not None:
             self.http.api.attach(self.backend, tokenizer)

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from sssd.common.model.loader import load_causal_lm
+from sssd.common.model.threads import off_main_thread
 from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.engine.handoff import PrefilledPrompt
 from sssd.verifier.engine.request import GenerateRequest, InvalidRequest
@@ -41,7 +42,8 @@ class _ModelWorker:
 
     def __init__(self, config: EngineConfig, name: str, torch_threads: int):
         _set_threads(torch_threads)
-        self.loaded = load_causal_lm(config.model, config.dtype)
+        # Off the actor's main thread: only the thread that runs the model keeps OpenMP workers.
+        self.loaded = off_main_thread(lambda: load_causal_lm(config.model, config.dtype))
         self.name = name
 
     def ready(self) -> dict:
@@ -82,8 +84,9 @@ class DecodeWorker(_ModelWorker):
 
         super().__init__(config, name, torch_threads)
         # `publish`: completed conversations to the live datastore's stream.
-        self.loop = build_engine_loop(config, self.loaded, max_requests, publish=publish,
-                                      worker=name, ray_metrics=metrics)
+        self.loop = off_main_thread(lambda: build_engine_loop(
+            config, self.loaded, max_requests, publish=publish, worker=name,
+            ray_metrics=metrics))
         # Cancels that arrived before their generate call (both race on the actor's threads).
         self._early_cancels: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
