@@ -110,6 +110,11 @@ class RayBackend:
         # (failover) instead of waiting for the restart.
         options = dict(num_cpus=cfg.cpus_per_worker, max_restarts=cfg.max_worker_restarts,
                        max_task_retries=0)
+        if self._owns_ray and threads * num_workers > (os.cpu_count() or 1):
+            # The workers share this machine's cores: OpenMP workers that spin between
+            # operations (docs/operations.md, "Threads and OpenMP") would take them from the
+            # other worker's, so they sleep instead.
+            options["runtime_env"] = {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
         prefill_cls = ray.remote(PrefillWorker).options(**options, resources=_pin(
             cfg.prefill_resource))
         # Threads: one per open stream, plus room for cancel and ready calls.
