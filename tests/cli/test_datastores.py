@@ -11,9 +11,15 @@ VOCAB = 100
 FINGERPRINT = "f" * 64
 
 
-def make(directory: Path) -> Path:
-    build_datastore(directory, [[1, 2, 3, 4]], VOCAB, FINGERPRINT)
+def make(directory: Path, fingerprint: str = FINGERPRINT) -> Path:
+    build_datastore(directory, [[1, 2, 3, 4]], VOCAB, fingerprint)
     return directory
+
+
+@pytest.fixture(autouse=True)
+def model_tokenizer(monkeypatch):
+    """The model's tokenizer is the one of FINGERPRINT (the tests pass tokenizer=None)."""
+    monkeypatch.setattr(datastores, "tokenizer_fingerprint", lambda tokenizer: FINGERPRINT)
 
 
 @pytest.fixture
@@ -49,3 +55,11 @@ def test_a_small_self_output_datastore_gives_way_to_sharegpt(self_outputs, monke
 def test_a_named_directory_without_a_datastore_is_refused(tmp_path):
     with pytest.raises(datastores.NoDatastore, match="no manifest.json"):
         datastores.pick_datastore(tmp_path, None)
+
+
+def test_a_datastore_of_another_tokenizer_is_never_served(self_outputs, monkeypatch):
+    make(self_outputs / "datastore-1200")
+    make(self_outputs / "datastore-5000", fingerprint="e" * 64)  # another model's answers
+    assert datastores.pick_datastore(None, tokenizer=None) == self_outputs / "datastore-1200"
+    with pytest.raises(datastores.NoDatastore, match="built with another tokenizer"):
+        datastores.pick_datastore(self_outputs / "datastore-5000", None)

