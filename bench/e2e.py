@@ -4,7 +4,8 @@ For each batch size, the engine decodes the prompt set's prompts (`--set mt_benc
 first turns; `--set code`: bench/data/code_prompts.jsonl; chat template applied)
 with continuous batching at that batch size, `--max-tokens` new tokens each, greedy. Modes:
 `ar` (no speculation, the baseline), `prompt_lookup` (input trie only) and `sssd` (input trie +
-datastore), the last two under both budget policies (`rule`, `measured`). Every configuration
+datastore), the last two under both budget policies (`rule`, `measured`) and, with
+`--policies ...,fixed:8`, at a fixed budget (every step drafts 8 nodes). Every configuration
 runs in this one process, side by side, after a short warm-up; speedups are over `ar` at the
 same batch size in the same run.
 
@@ -52,6 +53,7 @@ from sssd.common.data.corpus import prompt_token_ids
 from sssd.common.model.loader import LoadedModel, load_causal_lm
 from sssd.datastore.manifest import read_manifest
 from sssd.verifier.engine import EngineConfig, EngineStats
+from sssd.verifier.engine.budget_policy import FixedBudget
 from sssd.verifier.factory import build_engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -82,13 +84,17 @@ class Run:
                  drafter_target: str | None, datastore: Path | None, profile_path: Path,
                  warmup: list[list[int]]) -> None:
         self.mode, self.batch, self.policy, self.datastore = mode, batch, policy, datastore
+        fixed = int(policy.removeprefix("fixed:")) if policy.startswith("fixed:") else None
         config = EngineConfig(
-            mode=mode, max_batch_size=batch, budget_policy=policy, max_len=max_len,
+            mode=mode, max_batch_size=batch, budget_policy="rule" if fixed else policy,
+            max_len=max_len,
             drafter_target=drafter_target, drafter_timeout_s=5.0,
             datastore_dir=str(datastore) if mode == "sssd" and datastore else None,
             profile_path=str(profile_path), reuse_acceptance=False,
             dtype=str(loaded.dtype).removeprefix("torch."))
         self.engine = build_engine(config, loaded)
+        if fixed:  # every step at this budget: what the policies are measured against
+            self.engine.budget_policy = FixedBudget(fixed)
         self.engine.generate(warmup, 8)  # allocator, kernels, drafter connection
         self.engine.stats = EngineStats()
         self.elapsed = 0.0
@@ -231,7 +237,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", default="1,4,8")
     parser.add_argument("--modes", default="ar,prompt_lookup,sssd")
-    parser.add_argument("--policies", default="rule,measured")
+    parser.add_argument("--policies", default="rule,measured",
+                        help="rule, measured, fixed:N (comma-separated)")
+    parser.add_argument("--model", default=None,
+                        help="a GGUF file, a model directory or a name of `sssd-models list` "
+                        "(default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--hf-prompts", type=int, default=10,
                         help="prompts for the transformers generate() row (0: skip)")
@@ -260,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     summaries = {ds: datastore_summary(ds) for _, _, ds in configs if ds is not None}
     args.profile.parent.mkdir(parents=True, exist_ok=True)
 
-    loaded = load_causal_lm(None, args.dtype)
+    loaded = load_causal_lm(args.model, args.dtype)
     prompts = [prompt_token_ids(loaded.tokenizer, text)
                for text in prompt_texts(args.set, args.prompts)]
     max_len = max(len(p) for p in prompts) + args.max_tokens + 64
