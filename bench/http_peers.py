@@ -14,8 +14,8 @@ Servers (same model, SmolLM2-135M-Instruct, same dtype, greedy):
   live datastore off (--no-live) so that every run drafts from the same datastore as vLLM with
   our drafter; measured twice on the same server: `ours` (speculation auto) and `ours-off`
   (the request field `speculation: off`, sent by the client's --extra-body);
-- ours-local: the same with `sssd up --no-ray` (the engine in the API's process, prefill between
-  decode steps), as `ours-local` and `ours-local-off`;
+- ours-local: the same with `sssd up --no-ray` (the engine in the API's process, prompts prefilled
+  inside its decode steps), as `ours-local` and `ours-local-off`;
 - vllm: vLLM's OpenAI server without speculation;
 - vllm-sssd: vLLM with our drafter service as its proposer (`custom_class`, k = --k);
 - vllm-suffix, vllm-ngram: vLLM's own `suffix` (ArcticInference; `scripts/setup_vllm.sh

@@ -131,9 +131,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "the default target has no smaller sibling here, so its first layers "
                        "are the draft; a poor one, see docs/services/speculator.md)")
     stack.add_argument("--no-ray", action="store_true",
-                       help="the engine in the API's process (prefill between decode steps) "
-                       "instead of Ray prefill and decode workers: on a machine with few cores "
-                       "disaggregation costs more than it wins")
+                       help="the engine in the API's process (prompts prefilled inside its "
+                       "decode steps) instead of Ray prefill and decode workers: on a machine "
+                       "with few cores disaggregation costs more than it wins")
     stack.add_argument("--no-live", action="store_true",
                        help="no live datastore: no Redis, no indexer, nothing published")
     stack.add_argument("--live-dir", default=None,
