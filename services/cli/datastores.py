@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -26,6 +25,7 @@ from sssd.common.data.corpus import iter_conversation_token_ids, iter_sharegpt
 from sssd.common.model.tokenizer import tokenizer_fingerprint, vocab_size
 from sssd.datastore.build import build_datastore
 from sssd.datastore.manifest import read_manifest
+from sssd.datastore.shard import read_meta
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +55,7 @@ def datastore_fingerprint(directory: Path) -> str | None:
     manifest = read_manifest(directory) if directory.is_dir() else None
     if manifest is None or not manifest.shards:
         return None
-    meta = json.loads((directory / manifest.shards[0] / "meta.json").read_text())
-    return meta.get("tokenizer_fingerprint")
+    return read_meta(directory / manifest.shards[0]).tokenizer_fingerprint
 
 
 def ensure_sharegpt_datastore(root: Path, tokenizer, num_records: int) -> Path:
@@ -107,11 +106,11 @@ def pick_datastore(explicit: Path | None, tokenizer,
 
 def check_datastore(directory: Path, fingerprint: str) -> None:
     """NoDatastore unless `directory` holds shards built with the tokenizer of `fingerprint`."""
-    if not has_shards(directory):
-        raise NoDatastore(f"{directory} holds no datastore (no manifest.json listing shards)")
     built_with = datastore_fingerprint(directory)
+    if built_with is None:
+        raise NoDatastore(f"{directory} holds no datastore (no manifest.json listing shards)")
     if built_with != fingerprint:
-        raise NoDatastore(f"{directory} was built with another tokenizer ({str(built_with)[:12]}) "
+        raise NoDatastore(f"{directory} was built with another tokenizer ({built_with[:12]}) "
                           f"than the model's ({fingerprint[:12]}): its drafts would be other "
                           "tokens")
 

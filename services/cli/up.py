@@ -222,8 +222,12 @@ def run(args: argparse.Namespace) -> int:
         # The live datastore starts as hard links to the chosen one's shards and grows from
         # the conversations served; the chosen datastore itself is never modified.
         seed = datastore
-        live = Path(args.live_dir) if args.live_dir else Path("var/live/datastore") \
-            if args.model is None else Path("var/live") / fingerprint[:12] / "datastore"
+        if args.live_dir:
+            live = Path(args.live_dir)
+        elif args.model is None:
+            live = Path("var/live/datastore")
+        else:  # another model's conversations are other tokens: a live datastore of its own
+            live = Path("var/live") / fingerprint[:12] / "datastore"
         if read_manifest(live) is None:
             link_datastore(datastore, live)
         else:

@@ -210,20 +210,14 @@ class Decoder:
             return str(exc)
         return None
 
-    def forward(self, batch: TreeBatch, cache: SlotKVCache, first_slot: int,
-                logits_to_keep: int = 0) -> torch.Tensor:
-        """The step `batch` over cache slots [first_slot, first_slot + batch size): writes every
-        node's keys and values at the batch's write positions. Returns logits [num_seqs,
-        num_nodes or logits_to_keep, vocab_size] in the model's dtype (`logits_to_keep`: only
-        the last positions of each row; 0: all)."""
-        return self.forward_segments([Segment(batch, first_slot, logits_to_keep)], cache)[0]
-
     def forward_segments(self, segments: Sequence[Segment],
                          cache: SlotKVCache) -> list[torch.Tensor]:
-        """Several steps in one pass (verification rows and prompts together): each segment as
-        `forward` would compute it alone, to the bit, since a row's products and attention do
-        not depend on the rows beside it (see _layers_fused). The matrix products read the
-        weights once for all of them. Returns each segment's logits."""
+        """One forward pass over the segments (verification rows and prompts together): writes
+        every node's keys and values at its segment's write positions and returns each
+        segment's logits [num_seqs, num_nodes or logits_to_keep, vocab_size] in the model's
+        dtype. Each segment gets the logits a pass of its own would give, to the bit, since a
+        row's products and attention do not depend on the rows beside it (see _layers_fused);
+        the matrix products read the weights once for all of them."""
         if not self.fused:  # the PyTorch operations take one step at a time
             return [self._forward_unfused(segment, cache) for segment in segments]
         x = self._layers_fused(segments, cache)

@@ -182,9 +182,7 @@ class Engine:
             trees, [(slot, seq.request.context_ids) for slot, seq in prompts])
         seconds = time.perf_counter() - start
         for (_, seq), next_logits in zip(prompts, prompt_logits):
-            token_ids = self._append(seq, [self._sample_one(seq, next_logits)])
-            rows[seq.request_id] = RowOutput(seq.request_id, token_ids, seq.text, 0, 1,
-                                             is_verified=False)
+            self._first_token(seq, next_logits, rows)
         prompt_tokens = sum(len(seq.request.context_ids) for _, seq in prompts)
         tokens = prompt_tokens + sum(tree.num_nodes for tree in trees)
         prefill_s = seconds * prompt_tokens / tokens
@@ -203,10 +201,15 @@ class Engine:
                 continue
             logits = self.runner.load_prefilled(slot, seq.prefilled)  # [vocab_size]
             seq.prefilled = None  # the cache slot holds it now; free the transfer buffer
-            token_ids = self._append(seq, [self._sample_one(seq, logits)])
-            rows[seq.request_id] = RowOutput(seq.request_id, token_ids, seq.text, 0, 1,
-                                             is_verified=False)
+            self._first_token(seq, logits, rows)
         return prompts, time.perf_counter() - start
+
+    def _first_token(self, seq: Sequence, logits: torch.Tensor,
+                     rows: dict[str, RowOutput]) -> None:
+        """Samples an admitted sequence's first token from its prompt's logits [vocab_size]."""
+        token_ids = self._append(seq, [self._sample_one(seq, logits)])
+        rows[seq.request_id] = RowOutput(seq.request_id, token_ids, seq.text, 0, 1,
+                                         is_verified=False)
 
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
         if seq.request.sampling.is_greedy:

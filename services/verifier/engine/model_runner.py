@@ -160,18 +160,11 @@ class ModelRunner:
         float32; sampling converts the rows it needs); row i's first trees[i].num_nodes
         positions are real. Call `commit` afterwards.
         """
-        return self._forward(trees, first_slot=0)
+        return self.verify_and_prefill(trees, [])[0]
 
     def _batch(self, trees: Sequence[DraftTree], first_slot: int) -> TreeBatch:
         cache_lens = [self.cache.lengths[first_slot + row] for row in range(len(trees))]
         return build_tree_batch(trees, cache_lens, self.dtype, self.kv_align)
-
-    def _forward(self, trees: Sequence[DraftTree], first_slot: int) -> torch.Tensor:
-        """Trees of slots [first_slot, first_slot + len(trees)) through the model: raw logits."""
-        batch = self._batch(trees, first_slot)
-        if self.decoder is not None:
-            return self.decoder.forward(batch, self.cache, first_slot)
-        return self._forward_transformers(batch, first_slot)
 
     def _forward_transformers(self, batch: TreeBatch, first_slot: int,
                               logits_to_keep: int = 0) -> torch.Tensor:
