@@ -39,7 +39,7 @@ def decode(engine, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], f
 
 
 # The engine settings this command takes as flags (the rest are fixed by what it does).
-ENGINE_FLAGS = ("model", "dtype", "budget_policy", "knee_intensity", "max_budget")
+ENGINE_FLAGS = ("model", "dtype", "device", "budget_policy", "knee_intensity", "max_budget")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,8 +60,11 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(logging.WARNING)
 
 
-    loaded = load_causal_lm(args.model, args.dtype)
-    print(f"model {loaded.name} ({args.dtype}) loaded in {loaded.load_s:.1f} s")
+    try:
+        loaded = load_causal_lm(args.model, args.dtype, args.device)
+    except ValueError as exc:  # a device this machine does not have
+        raise SystemExit(f"sssd-generate: error: {exc}") from None
+    print(f"model {loaded.name} ({args.dtype}, {loaded.device}) loaded in {loaded.load_s:.1f} s")
     try:
         datastore = pick_datastore(args.datastore, loaded.tokenizer, args.records)
     except NoDatastore as exc:

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from sssd.common.config.flags import add_flags, from_args, option
+from sssd.common.model.device import DEVICE_HELP, check_device
 from sssd.common.model.loader import ALLOWED_DTYPES as DTYPES
 from sssd.common.rpc.ports import SPECULATOR_METRICS_PORT, SPECULATOR_PORT
 from sssd.common.rpc.tls import add_tls_flags, tls_from_args
@@ -25,7 +26,7 @@ class SpeculatorConfig:
         0, "keep only the first N decoder layers of the draft model (and its head): a cheap "
         "draft built from the target itself; 0 keeps all")
     dtype: str = option("bfloat16", "weights and KV cache of the draft model", choices=DTYPES)
-    device: str = option("cpu", "torch device of the draft model: cpu, cuda, cuda:1, ...")
+    device: str = option("cpu", f"torch device of the draft model: {DEVICE_HELP}")
     num_threads: int = option(1, "torch threads of the draft model on the CPU (0: torch's "
                               "default); keep the verifier's cores free")
     lookahead: int = option(3, "K: drafts per round (the write-up's K = 2-3 for small models)")
@@ -56,6 +57,7 @@ class SpeculatorConfig:
     grace_s: float = option(5.0, "drain time for in-flight calls at shutdown")
 
     def __post_init__(self) -> None:
+        check_device(self.device)
         checks = [
             (self.draft_layers >= 0, "draft_layers must be >= 0"),
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"),

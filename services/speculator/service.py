@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from sssd.common.config.logs import configure_logging
+from sssd.common.model.device import resolve_device
 from sssd.common.model.loader import load_causal_lm
 from sssd.common.rpc import tls
 from sssd.common.rpc.server import serve_until_signal
@@ -71,9 +72,7 @@ def build_speculator(config: SpeculatorConfig,
     model = loaded.model
     if config.draft_layers:
         model = truncated(model, config.draft_layers)
-    device = torch.device(config.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {config.device!r}: this torch has no CUDA device")
+    device = resolve_device(config.device)  # ValueError where the device is missing
     model = model.to(device)
     runner = DraftRunner(model, config.max_sequences, config.max_len, device)
     speculator = Speculator(

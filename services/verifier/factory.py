@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from sssd.common.model.device import resolve_device
 from sssd.common.model.loader import LoadedModel, load_causal_lm
 from sssd.verifier.engine.budget_policy import (
     DEFAULT_ACCEPTANCE_PRIOR,
@@ -40,16 +41,17 @@ def make_budget_policy(config: EngineConfig, runner: ModelRunner,
     """`speculates`: False for an engine without a proposer, which always decodes one token.
 
     The measured policy's profile is reused from `profile_path` when it was measured with the
-    same model, dtype, forward pass (runner.impl) and torch threads and covers the batch
-    sizes; its prior is the acceptance saved beside it by an earlier server
+    same model, dtype, forward pass (runner.impl), device type and torch threads and covers
+    the batch sizes; its prior is the acceptance saved beside it by an earlier server
     (serving.observers.AcceptanceSaver), else the built-in one."""
     if not speculates:
         return FixedBudget(1)
     if config.budget_policy == "rule":
         return RuleBudget(config.knee_intensity, config.max_budget)
 
+    # A GPU's index does not change its speed: the profile is the device type's.
     setting = {"model": model_name, "dtype": config.dtype, "model_impl": runner.impl,
-               "torch_threads": torch.get_num_threads()}
+               "device": runner.device.type, "torch_threads": torch.get_num_threads()}
     prior = DEFAULT_ACCEPTANCE_PRIOR
     if config.profile_path:
         stats_path = acceptance_path(config.profile_path, config.mode)
@@ -76,11 +78,24 @@ def make_budget_policy(config: EngineConfig, runner: ModelRunner,
     return MeasuredBudget(profile, config.max_budget, prior=prior)
 
 
+def check_loaded_device(config: EngineConfig, loaded: LoadedModel) -> None:
+    """Raises ValueError when a model loaded elsewhere is not on the configured device (auto
+    takes the model where it is: the caller chose)."""
+    if config.device == "auto":
+        return
+    wanted = resolve_device(config.device)
+    have = torch.device(loaded.device)
+    if wanted.type != have.type or wanted.index not in (None, have.index):
+        raise ValueError(f"the model was loaded on {loaded.device}, the engine is configured "
+                         f"for {config.device}")
+
+
 def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
                  detokenize: bool = False) -> Engine:
     """The engine of `config` (its proposer started). `detokenize`: the engine tracks each
     answer's text (serving: streamed text and stop strings); off, it skips that work."""
-    loaded = loaded or load_causal_lm(config.model, config.dtype)
+    loaded = loaded or load_causal_lm(config.model, config.dtype, config.device)
+    check_loaded_device(config, loaded)
     runner = ModelRunner(loaded.model, max_seqs=config.max_batch_size, max_len=config.max_len,
                          attention=config.attention,
                          model_impl=config.model_impl)

@@ -100,9 +100,10 @@ class SlotKVCache:
             self.lengths[slot] = base + 1 + len(nodes)
         if not rows:
             return
-        row_index = torch.tensor(rows)
-        source_index = torch.tensor(sources)
-        target_index = torch.tensor(targets)
+        device = self.keys[0].device  # the index tensors go to the cache in one copy each
+        row_index = torch.tensor(rows).to(device, non_blocking=True)
+        source_index = torch.tensor(sources).to(device, non_blocking=True)
+        target_index = torch.tensor(targets).to(device, non_blocking=True)
         for buffer in (*self.keys, *self.values):
             # The right-hand side is gathered into a new tensor first, so overlaps are safe.
             buffer[row_index, :, target_index] = buffer[row_index, :, source_index]

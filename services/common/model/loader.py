@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sssd.common.model.device import resolve_device
 from sssd.common.model.files import (
     MODELS,
     ModelFiles,
@@ -50,7 +51,7 @@ _CACHE_DTYPE = "float32"
 
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
-    """A causal LM ready for inference: eval mode, no gradients, on the CPU, SDPA attention."""
+    """A causal LM ready for inference: eval mode, no gradients, SDPA attention, on `device`."""
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
@@ -72,6 +73,8 @@ class LoadedModel:
     load_s: float
     # True when the weights came from the converted-weights cache rather than a conversion.
     from_cache: bool
+    # Where the weights are: "cpu", "cuda:0", ... (device.resolve_device of the setting).
+    device: str = "cpu"
 
 
 def model_cache_dir(files: ModelFiles) -> Path:
@@ -80,16 +83,20 @@ def model_cache_dir(files: ModelFiles) -> Path:
 
 
 def load_causal_lm(model: str | os.PathLike[str] | None = None,
-                   dtype: str = "bfloat16") -> LoadedModel:
-    """Loads `model` (None: the default GGUF; a `.gguf` file; a Hugging Face model directory).
+                   dtype: str = "bfloat16", device: str = "cpu") -> LoadedModel:
+    """Loads `model` (None: the default GGUF; a `.gguf` file; a Hugging Face model directory)
+    onto `device` (a device setting: cpu, cuda, cuda:N, auto). The weights are read on the CPU
+    and leave it once, whole.
 
     Raises FileNotFoundError for a path that does not exist, ValueError for a dtype other than
-    ALLOWED_DTYPES, a directory without config.json, or a file that is not a GGUF file.
+    ALLOWED_DTYPES, a directory without config.json, a file that is not a GGUF file, or a
+    device this process does not have.
     """
     import torch  # see the module docstring: importing the loader loads no torch
 
     if dtype not in ALLOWED_DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; allowed: {', '.join(ALLOWED_DTYPES)}")
+    torch_device = resolve_device(device)  # before the load: a missing GPU fails at once
     torch_dtype = getattr(torch, dtype)
     start = time.perf_counter()
     files = _resolve(model)
@@ -102,6 +109,8 @@ def load_causal_lm(model: str | os.PathLike[str] | None = None,
         name, source = files.directory.name, files.directory
     lm.eval()
     lm.requires_grad_(False)
+    if torch_device.type != "cpu":
+        lm.to(torch_device)
 
     eos_token_ids = _eos_token_ids(lm, tokenizer)
     lm.generation_config.eos_token_id = list(eos_token_ids) if len(eos_token_ids) > 1 \
@@ -110,11 +119,12 @@ def load_causal_lm(model: str | os.PathLike[str] | None = None,
     if vocab_size != len(tokenizer):
         logger.info("%s: %d logits for %d tokenizer ids", name, vocab_size, len(tokenizer))
     load_s = time.perf_counter() - start
-    logger.info("loaded %s in %s from %s%s in %.2f s", name, dtype, source,
+    logger.info("loaded %s in %s on %s from %s%s in %.2f s", name, dtype, torch_device, source,
                 " (cached conversion)" if from_cache else "", load_s)
     return LoadedModel(model=lm, tokenizer=tokenizer, fingerprint=tokenizer_fingerprint(tokenizer),
                        name=name, dtype=torch_dtype, eos_token_ids=eos_token_ids,
-                       vocab_size=vocab_size, load_s=load_s, from_cache=from_cache)
+                       vocab_size=vocab_size, load_s=load_s, from_cache=from_cache,
+                       device=str(next(lm.parameters()).device))
 
 
 def _resolve(model: str | os.PathLike[str] | None) -> ModelFiles:

@@ -124,15 +124,24 @@ def accept_at_positions(
     (seed, prompt, settings) only, never on which drafts were offered.
     """
     tree = TreeIndex(token_ids, parents)
-    if probs.dim() != 2 or probs.shape[0] != tree.num_nodes:
-        raise ValueError(f"probs must be [num_nodes={tree.num_nodes}, vocab_size], got shape "
-                         f"{tuple(probs.shape)}")
-    depths = [0] * tree.num_nodes
-    for node in range(1, tree.num_nodes):
-        depths[node] = depths[tree.parents[node]] + 1
-    uniforms = position_uniforms(seed, [first_position + depth for depth in depths])
-    drawn = sample_with_uniforms(probs, uniforms)  # [num_nodes] the token after each node
+    drawn = draws_at_positions(tree.parents, probs, seed, first_position)
     return accept_greedy(tree.token_ids, tree.parents, drawn)
+
+
+def draws_at_positions(parents: np.ndarray | list[int], probs: torch.Tensor, seed: int,
+                       first_position: int) -> torch.Tensor:
+    """[num_nodes] int64 on probs' device: the token drawn after each node of a tree, node j
+    at output position `first_position + depth(j)` (see accept_at_positions). The depths come
+    from `parents` on the host; nothing is read back from the device."""
+    parent_list = _as_int_list(parents)  # [num_nodes]
+    if probs.dim() != 2 or probs.shape[0] != len(parent_list):
+        raise ValueError(f"probs must be [num_nodes={len(parent_list)}, vocab_size], got shape "
+                         f"{tuple(probs.shape)}")
+    depths = [0] * len(parent_list)
+    for node in range(1, len(parent_list)):
+        depths[node] = depths[parent_list[node]] + 1
+    uniforms = position_uniforms(seed, [first_position + depth for depth in depths])
+    return sample_with_uniforms(probs, uniforms)  # [num_nodes]
 
 
 def accept_sampling(

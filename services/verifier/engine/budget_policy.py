@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from sssd.common.drafting.draft_tree import DraftTree
+from sssd.common.model.device import synchronize
 from sssd.verifier.engine.budget_rule import speculation_budget
 
 if TYPE_CHECKING:
@@ -341,6 +342,7 @@ def profile_forward(runner: "ModelRunner", max_batch_size: int) -> ForwardProfil
                          np.arange(-1, budget - 1, dtype=np.int32))
         start = time.perf_counter()
         runner.verify([tree] * batch_size)  # nothing is committed: the cache stays as it was
+        synchronize(runner.device)  # a GPU pass has only been queued
         return time.perf_counter() - start
 
     return ForwardProfile.measure(forward, batches=profiled_batches(max_batch_size))

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sssd.common.config.flags import option
+from sssd.common.model.device import DEVICE_HELP, check_device
 from sssd.common.rpc.targets import parse_targets
 
 # ar: no speculation (the baseline); prompt_lookup: input trie only; sssd: trie + datastore;
@@ -31,6 +32,11 @@ class EngineConfig:
                         "traffic of a decode step, float32 breaks argmax ties exactly (and on "
                         "CPUs without bf16 instructions verifies draft trees far cheaper)",
                         choices=DTYPES)
+    device: str = option(
+        "auto", f"where the model, its KV cache and the step's tensors live: {DEVICE_HELP}. "
+        "On a GPU the verifier's own forward pass runs as PyTorch operations (its fused CPU "
+        "kernels and prepacked weights are CPU-only); under Ray each worker uses the GPU Ray "
+        "gave it")
     model_impl: str = option(
         "auto", "the forward pass; sssd: the verifier's own (Llama and Qwen2 models: fused "
         "projections, prepacked weights, its own attention kernel; 2-3.5x faster per step on "
@@ -103,6 +109,7 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        check_device(self.device)  # ValueError naming the settings allowed
         if self.drafter_target is not None:
             parse_targets(self.drafter_target)  # ValueError naming the malformed part
         if self.profile_path:

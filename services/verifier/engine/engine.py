@@ -25,7 +25,7 @@ import torch
 
 from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.drafting.proposer import Proposer
-from sssd.verifier.engine.acceptance import AcceptResult, accept_at_positions, accept_greedy
+from sssd.verifier.engine.acceptance import AcceptResult, accept_greedy, draws_at_positions
 from sssd.verifier.engine.budget_policy import BudgetPolicy
 from sssd.verifier.engine.detokenizer import Decode, IncrementalDetokenizer, find_stop
 from sssd.verifier.engine.drafting import Drafting, Drafts
@@ -227,19 +227,23 @@ class Engine:
 
     def _accept(self, running: list[Sequence], trees: list[DraftTree],
                 logits: torch.Tensor) -> list[AcceptResult]:
-        """Per row, the accepted path and bonus token; the KV cache keeps only accepted nodes."""
-        # The greedy rows' argmax for the whole batch in one operation and one transfer.
-        argmax = logits.argmax(-1).tolist() \
-            if any(seq.request.sampling.is_greedy for seq in running) else None
-        results = []
-        for row, (seq, tree) in enumerate(zip(running, trees)):
-            if seq.request.sampling.is_greedy:
-                results.append(accept_greedy(tree.token_ids, tree.parents,
-                                             argmax[row][: tree.num_nodes]))
-                continue
-            probs = target_probs(logits[row, : tree.num_nodes], seq.request.sampling)
-            results.append(accept_at_positions(tree.token_ids, tree.parents, probs, seq.seed,
-                                               first_position=len(seq.output_ids)))
+        """Per row, the accepted path and bonus token; the KV cache keeps only accepted nodes.
+
+        The token the target chooses after every node (greedy rows: the argmax; sampled rows:
+        the draw at the node's output position, acceptance.accept_at_positions) is decided on
+        the logits' device for the whole batch, and comes to the host in one transfer: the
+        step's only read-back, whatever the number of rows and nodes."""
+        num_seqs, max_nodes = logits.shape[:2]
+        chosen = logits.argmax(-1) if any(seq.request.sampling.is_greedy for seq in running) \
+            else torch.zeros((num_seqs, max_nodes), dtype=torch.int64, device=logits.device)
+        for row, (seq, tree) in enumerate(zip(running, trees)):  # [num_seqs, max_nodes]
+            if not seq.request.sampling.is_greedy:
+                probs = target_probs(logits[row, : tree.num_nodes], seq.request.sampling)
+                chosen[row, : tree.num_nodes] = draws_at_positions(
+                    tree.parents, probs, seq.seed, first_position=len(seq.output_ids))
+        chosen_ids = chosen.tolist()
+        results = [accept_greedy(tree.token_ids, tree.parents, chosen_ids[row][: tree.num_nodes])
+                   for row, tree in enumerate(trees)]
         self.runner.commit([r.accepted_nodes for r in results])
         return results
 

@@ -32,11 +32,13 @@ class PrefilledPrompt:
     @classmethod
     def from_tensors(cls, keys: torch.Tensor, values: torch.Tensor, logits: torch.Tensor,
                      prefill_s: float = 0.0) -> "PrefilledPrompt":
+        """From tensors on any device: each comes to the host once (`cpu()` copies from a GPU
+        and is a no-op on the CPU)."""
         raw = _RAW_DTYPES.get(keys.dtype)
-        as_numpy = (lambda t: t.contiguous().view(raw).numpy()) if raw is not None \
-            else (lambda t: t.contiguous().numpy())
+        as_numpy = (lambda t: t.cpu().contiguous().view(raw).numpy()) if raw is not None \
+            else (lambda t: t.cpu().contiguous().numpy())
         return cls(as_numpy(keys), as_numpy(values), str(keys.dtype).removeprefix("torch."),
-                   logits.float().numpy(), prefill_s)
+                   logits.float().cpu().numpy(), prefill_s)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """keys, values and logits as torch tensors viewing the same memory (no copy)."""

@@ -67,7 +67,9 @@ class ModelRunner:
         self.decoder = decoder_for(model, model_impl)
         if getattr(config, "_attn_implementation", None) != attention:
             model.set_attn_implementation(attention)
-        self.dtype = next(model.parameters()).dtype
+        weight = next(model.parameters())
+        # The model's device is the runner's: the cache and every step's tensors go there.
+        self.dtype, self.device = weight.dtype, weight.device
         head_dim = getattr(config, "head_dim", None) or \
             config.hidden_size // config.num_attention_heads
         self.cache = SlotKVCache(
@@ -77,6 +79,7 @@ class ModelRunner:
             max_len=max_len,
             head_dim=head_dim,
             dtype=self.dtype,
+            device=self.device,
         )
         self.max_len = max_len
         # 1 reproduces the unaligned key length (bench/batch_invariance.py)
@@ -121,7 +124,8 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill_for_handoff(self, token_ids: Sequence[int], slot: int = 0) -> PrefilledPrompt:
         """Prefills in `slot` and returns a copy of the prompt's KV cache and its next-token
-        logits, for a decode worker elsewhere (`load_prefilled`)."""
+        logits, for a decode worker elsewhere (`load_prefilled`); on a GPU the keys, the values
+        and the logits each leave it once."""
         start = time.perf_counter()
         logits = self.prefill(slot, token_ids)
         keys, values = self.cache.export(slot)
@@ -144,7 +148,8 @@ class ModelRunner:
         """Takes over a prompt prefilled elsewhere into `slot`; returns its logits [vocab_size]."""
         self.check_prefilled(prefilled)
         keys, values, logits = prefilled.tensors()
-        self.cache.load(slot, keys, values)
+        # One copy each to this runner's device; the cache then copies layer by layer on it.
+        self.cache.load(slot, keys.to(self.device), values.to(self.device))
         return logits
 
     @property
@@ -164,7 +169,7 @@ class ModelRunner:
 
     def _batch(self, trees: Sequence[DraftTree], first_slot: int) -> TreeBatch:
         cache_lens = [self.cache.lengths[first_slot + row] for row in range(len(trees))]
-        return build_tree_batch(trees, cache_lens, self.dtype, self.kv_align)
+        return build_tree_batch(trees, cache_lens, self.dtype, self.kv_align, self.device)
 
     def _forward_transformers(self, batch: TreeBatch, first_slot: int,
                               logits_to_keep: int = 0) -> torch.Tensor:

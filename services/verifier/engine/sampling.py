@@ -120,7 +120,9 @@ def sample_with_uniforms(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.T
     """
     cumulative = probs.double().cumsum(dim=-1)  # [num_rows, vocab_size]
     total = cumulative[:, -1:]  # [num_rows, 1]
-    uniforms = uniforms.to(torch.float64).reshape(-1, 1).to(probs.device)  # [num_rows, 1]
+    # [num_rows, 1]; queued to a GPU without waiting for it (the host values are copied out
+    # before the call returns)
+    uniforms = uniforms.to(torch.float64).reshape(-1, 1).to(probs.device, non_blocking=True)
     # right=True: the first token whose cumulative mass exceeds u, never one of zero mass.
     tokens = torch.searchsorted(cumulative, uniforms * total, right=True)  # [num_rows, 1]
     # u * total can round up to total itself: stay on the last token with mass.

@@ -9,6 +9,10 @@ Visibility comes in two forms: `tree_bits`, one 64-bit mask per node (what the v
 attention kernel reads, for trees of up to 64 nodes), and `attention_mask`, the additive
 [num_seqs, 1, num_nodes, kv_len] tensor of the transformers forward and of long prompts, built
 only when a forward pass asks for it.
+
+Everything is built on the host from the trees (numpy, no per-node tensor operations) and goes
+to the step's device in one copy per tensor, queued without waiting (`non_blocking`): a GPU step
+never waits on the host for its inputs.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ class TreeBatch:
             allowed[row, padding, cache_len + padding] = True
         mask = torch.zeros((num_seqs, 1, max_nodes, self.kv_len), dtype=self.dtype)
         mask.masked_fill_(torch.from_numpy(~allowed).unsqueeze(1), torch.finfo(self.dtype).min)
-        return mask
+        return mask.to(self.input_ids.device, non_blocking=True)
 
 
 def ancestor_matrix(parents: np.ndarray) -> np.ndarray:
@@ -83,10 +87,10 @@ def depths_and_bits(parents: Sequence[int]) -> tuple[list[int], list[int]]:
 
 def build_tree_batch(
     trees: Sequence[DraftTree], cache_lens: Sequence[int], dtype: torch.dtype,
-    kv_align: int = KV_ALIGN,
+    kv_align: int = KV_ALIGN, device: torch.device | str = "cpu",
 ) -> TreeBatch:
     """`kv_align`: the key length of the step is rounded up to a multiple of it (see KV_ALIGN).
-    `dtype`: of the additive mask, when one is asked for."""
+    `dtype`: of the additive mask, when one is asked for. `device`: where the tensors go."""
     num_seqs = len(trees)
     max_nodes = max(tree.num_nodes for tree in trees)
     kv_len = -(-(max(cache_lens) + max_nodes) // kv_align) * kv_align
@@ -112,12 +116,16 @@ def build_tree_batch(
             depths[row, :n] = row_depths
             if with_bits:
                 bits[row, :n] = row_bits
+
+    def on_device(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device, non_blocking=True)
+
     return TreeBatch(
-        input_ids=torch.from_numpy(input_ids),
-        position_ids=torch.from_numpy(lens[:, None] + depths),
-        write_positions=torch.from_numpy(lens[:, None] + np.arange(max_nodes)),
-        cache_lens=torch.from_numpy(lens),
-        tree_bits=torch.from_numpy(bits.view(np.int64)) if with_bits else None,
+        input_ids=on_device(input_ids),
+        position_ids=on_device(lens[:, None] + depths),
+        write_positions=on_device(lens[:, None] + np.arange(max_nodes)),
+        cache_lens=on_device(lens),
+        tree_bits=on_device(bits.view(np.int64)) if with_bits else None,
         num_nodes=[tree.num_nodes for tree in trees],
         kv_len=kv_len,
         trees=trees,

@@ -214,7 +214,8 @@ class Frontend:
             from sssd.verifier.serving.assembly import build_engine_loop
 
             def build():  # off the main thread: only the engine's thread keeps OpenMP workers
-                model = loaded or load_causal_lm(engine_config.model, engine_config.dtype)
+                model = loaded or load_causal_lm(engine_config.model, engine_config.dtype,
+                                                 engine_config.device)
                 return model, build_engine_loop(engine_config, model, config.max_requests,
                                                 publish=config.publish)
 

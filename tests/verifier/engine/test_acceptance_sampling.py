@@ -36,6 +36,7 @@ from sssd.verifier.engine.acceptance import (
 from sssd.verifier.engine.request import SamplingParams
 from sssd.verifier.engine.sampling import sample_tokens, target_probs
 
+from support.devices import DEVICES
 from support.tiny_llama import (
     CONTEXT,
     VOCAB_SIZE,
@@ -293,7 +294,7 @@ def count_next_tokens(results: list[AcceptResult], key: Callable[[AcceptResult, 
 
 def tree_chi_squares(tree: TreeIndex, probs: torch.Tensor, seed: int) -> dict[int, ChiSquare]:
     """accept_sampling NUM_TRIALS times; a chi-square test per node reached MIN_VISITS times."""
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(probs.device).manual_seed(seed)
     token_ids, parents = np.array(tree.token_ids), np.array(tree.parents)
     results = [accept_sampling(token_ids, parents, probs, generator) for _ in range(NUM_TRIALS)]
     counts = count_next_tokens(
@@ -306,7 +307,7 @@ def chi_squares(counts: dict[object, np.ndarray], probs: dict[object, torch.Tens
     """A chi-square test per position reached MIN_VISITS times, with a Bonferroni split of
     ALPHA over them so that a correct sampler fails a run with probability below ALPHA."""
     tested = [key for key in counts if counts[key].sum() >= MIN_VISITS]
-    return {key: chi_square(counts[key], probs[key].numpy(), ALPHA / len(tested))
+    return {key: chi_square(counts[key], probs[key].cpu().numpy(), ALPHA / len(tested))
             for key in tested}
 
 
@@ -315,8 +316,11 @@ def describe(tests: dict) -> str:
 
 
 @pytest.mark.parametrize("case", list(SAMPLING_CASES))
-def test_point_mass_sampling_keeps_the_target_distribution(case, target_model, draft_tree):
-    probs = target_probs(tree_logits(target_model, draft_tree), SAMPLING_CASES[case])
+@pytest.mark.parametrize("device", DEVICES)
+def test_point_mass_sampling_keeps_the_target_distribution(case, device, target_model,
+                                                           draft_tree):
+    probs = target_probs(tree_logits(target_model, draft_tree).to(device),
+                         SAMPLING_CASES[case])
     tests = tree_chi_squares(draft_tree, probs, seed=1)
     # Not vacuous: the root, its two likely children and a grandchild are tested.
     assert {0, 1, 3} <= tests.keys() and tests.keys() & {4, 5, 6, 7}, describe(tests)
@@ -335,8 +339,13 @@ def keyed_chi_squares(tree: TreeIndex, probs: torch.Tensor, first_seed: int
 
 
 @pytest.mark.parametrize("case", list(SAMPLING_CASES))
-def test_position_keyed_sampling_keeps_the_target_distribution(case, target_model, draft_tree):
-    probs = target_probs(tree_logits(target_model, draft_tree), SAMPLING_CASES[case])
+@pytest.mark.parametrize("device", DEVICES)
+def test_position_keyed_sampling_keeps_the_target_distribution(case, device, target_model,
+                                                               draft_tree):
+    """The engine's rule, on every device: the probabilities stay where the logits are."""
+    probs = target_probs(tree_logits(target_model, draft_tree).to(device),
+                         SAMPLING_CASES[case])
+    assert probs.device.type == device
     tests = keyed_chi_squares(draft_tree, probs, first_seed=10**6)
     assert {0, 1, 3} <= tests.keys() and tests.keys() & {4, 5, 6, 7}, describe(tests)
     assert all(test.passed for test in tests.values()), describe(tests)
