@@ -266,9 +266,9 @@ def run(args: argparse.Namespace) -> int:
                   **frontend_values),
         grace_s=0 if args.once else args.grace_s,
         loading="[3/5] loading the model into this process (--no-ray)" if args.no_ray else
-        f"[3/5] starting Ray ({ray_config.num_prefill_workers} prefill + "
-        f"{ray_config.num_decode_workers} decode workers, auth {ray_config.auth}); loading "
-        "the model in each",
+        f"[3/5] starting Ray (prefill and decode workers: "
+        f"{ray_config.num_prefill_workers or 'auto'} + {ray_config.num_decode_workers or 'auto'}"
+        f", auth {ray_config.auth}); loading the model in each",
         describe=lambda frontend: serving_lines(args.host, frontend))
     components.append(api)
     stack = Stack(components)

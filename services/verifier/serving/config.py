@@ -26,10 +26,16 @@ def is_loopback(host: str) -> bool:
 class RayConfig:
     """Prefill/decode workers on Ray (ray_backend.py); auth is explained in ray_auth.py."""
 
-    num_prefill_workers: int = option(1, "Ray actors that prefill prompts",
-                                      flag="--prefill-workers")
-    num_decode_workers: int = option(1, "Ray actors that decode (engine loops)",
-                                     flag="--decode-workers")
+    # Unset counts: 1 each on CPUs; with GPUs one worker per GPU (serving/placement.py).
+    num_prefill_workers: int | None = option(
+        None, "Ray actors that prefill prompts; unset: 1", flag="--prefill-workers")
+    num_decode_workers: int | None = option(
+        None, "Ray actors that decode (engine loops); unset: 1, or on GPUs one per GPU left "
+        "after the prefill workers", flag="--decode-workers")
+    gpus_per_worker: float | None = option(
+        None, "GPUs each prefill and decode worker reserves in Ray (at most 1: a worker runs "
+        "the model on one GPU); unset: 1 when the engine's device is cuda, or auto on a cluster "
+        "with GPUs, shared evenly where workers outnumber GPUs; 0 GPUs on CPUs")
     address: str | None = option(
         None, "join this Ray cluster (auto, host:port) instead of starting a local one",
         flag="--ray-address")
@@ -65,8 +71,12 @@ class RayConfig:
     metrics_report_interval_ms: int = 2000
 
     def __post_init__(self) -> None:
-        if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
+        if any(n is not None and n < 1 for n in (self.num_prefill_workers,
+                                                 self.num_decode_workers)):
             raise ValueError("need at least one prefill worker and one decode worker")
+        if self.gpus_per_worker is not None and not 0 < self.gpus_per_worker <= 1:
+            raise ValueError(f"gpus_per_worker must be in (0, 1] (a worker runs the model on "
+                             f"one GPU), got {self.gpus_per_worker}")
         if self.max_worker_restarts < -1 or self.max_failovers < 0 or self.failover_wait_s < 0:
             raise ValueError("need max_worker_restarts >= -1, max_failovers >= 0 and "
                              "failover_wait_s >= 0")

@@ -44,6 +44,7 @@ from sssd.verifier.engine.request import GenerateRequest, RequestLimits, end_rea
 from sssd.verifier.serving.backend import Admission, RequestHandle, StreamEvent, request_totals
 from sssd.verifier.serving.config import RayConfig
 from sssd.verifier.serving.errors import ErrorKind, StreamError
+from sssd.verifier.serving.placement import plan_workers
 from sssd.verifier.serving.ray_auth import init_ray
 from sssd.verifier.serving.ray_workers import DecodeWorker, PrefillWorker
 
@@ -104,12 +105,14 @@ class RayBackend:
             self.endpoints = init_ray(self.ray_config)
             self._owns_ray = True
         cfg = self.ray_config
-        num_workers = cfg.num_prefill_workers + cfg.num_decode_workers
+        plan = plan_workers(cfg, self.engine_config.device,
+                            ray.cluster_resources().get("GPU", 0.0))
+        num_workers = plan.num_workers
         threads = cfg.torch_threads or max(1, (os.cpu_count() or 1) // num_workers)
         # max_task_retries 0: a call to a dead worker fails at once and the request moves on
         # (failover) instead of waiting for the restart.
-        options = dict(num_cpus=cfg.cpus_per_worker, max_restarts=cfg.max_worker_restarts,
-                       max_task_retries=0)
+        options = dict(num_cpus=cfg.cpus_per_worker, num_gpus=plan.gpus_per_worker,
+                       max_restarts=cfg.max_worker_restarts, max_task_retries=0)
         if self._owns_ray and threads * num_workers > (os.cpu_count() or 1):
             # The workers share this machine's cores: OpenMP workers that spin between
             # operations (docs/operations.md, "Threads and OpenMP") would take them from the
@@ -123,11 +126,11 @@ class RayBackend:
             resources=_pin(cfg.decode_resource))
         self._prefill = [_Slot(prefill_cls.remote(self.engine_config, f"prefill-{i}",
                                                   threads), f"prefill-{i}")
-                         for i in range(cfg.num_prefill_workers)]
+                         for i in range(plan.num_prefill_workers)]
         self._decode = [_Slot(decode_cls.remote(self.engine_config, f"decode-{i}",
                                                 self.max_requests, threads,
                                                 publish=self.publish), f"decode-{i}")
-                        for i in range(cfg.num_decode_workers)]
+                        for i in range(plan.num_decode_workers)]
         infos = ray.get([s.actor.ready.remote() for s in self._prefill + self._decode],
                         timeout=timeout_s)
         fingerprints = {info["fingerprint"] for info in infos}
@@ -141,7 +144,8 @@ class RayBackend:
         self._eos_token_ids = frozenset(infos[len(self._prefill)]["eos_token_ids"])
         self.admission = Admission(self.max_requests, limits)
         logger.info("Ray workers ready: %s", ", ".join(
-            f"{i['name']} (pid {i['pid']}, {i['torch_threads']} torch threads)" for i in infos))
+            f"{i['name']} (pid {i['pid']}, {i['device']}, {i['torch_threads']} torch threads)"
+            for i in infos))
         return self
 
     # --- the Backend protocol ---------------------------------------------------------------------

@@ -16,6 +16,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import replace
 
 from sssd.common.model.loader import load_causal_lm
 from sssd.common.model.threads import off_main_thread
@@ -42,15 +43,29 @@ class _ModelWorker:
 
     def __init__(self, config: EngineConfig, name: str, torch_threads: int):
         _set_threads(torch_threads)
+        self.config = config = on_granted_gpu(config)
         # Off the actor's main thread: only the thread that runs the model keeps OpenMP workers.
-        self.loaded = off_main_thread(lambda: load_causal_lm(config.model, config.dtype))
+        self.loaded = off_main_thread(lambda: load_causal_lm(config.model, config.dtype,
+                                                             config.device))
         self.name = name
 
     def ready(self) -> dict:
         import torch  # in the worker (see _set_threads)
 
         return {"name": self.name, "pid": os.getpid(), "vocab_size": self.loaded.vocab_size,
-                "fingerprint": self.loaded.fingerprint, "torch_threads": torch.get_num_threads()}
+                "fingerprint": self.loaded.fingerprint, "torch_threads": torch.get_num_threads(),
+                "device": self.loaded.device}
+
+
+def on_granted_gpu(config: EngineConfig) -> EngineConfig:
+    """The worker's engine configuration: Ray shows an actor only the GPUs it granted
+    (CUDA_VISIBLE_DEVICES), so a worker given a GPU runs on `cuda`, whatever index the
+    setting named; one given none keeps the setting (auto: the CPU)."""
+    import ray  # in the worker: see the module docstring
+
+    if ray.get_gpu_ids():
+        return replace(config, device="cuda")
+    return config
 
 
 class PrefillWorker(_ModelWorker):
@@ -61,9 +76,9 @@ class PrefillWorker(_ModelWorker):
         from sssd.verifier.engine.model_runner import ModelRunner  # torch: workers only
 
         super().__init__(config, name, torch_threads)
-        self.runner = ModelRunner(self.loaded.model, max_seqs=1, max_len=config.max_len,
-                                  attention=config.attention,
-                                  model_impl=config.model_impl)
+        self.runner = ModelRunner(self.loaded.model, max_seqs=1, max_len=self.config.max_len,
+                                  attention=self.config.attention,
+                                  model_impl=self.config.model_impl)
         self.metrics = None
         if metrics:
             self.metrics = PrefillMetrics(name)
@@ -85,7 +100,7 @@ class DecodeWorker(_ModelWorker):
         super().__init__(config, name, torch_threads)
         # `publish`: completed conversations to the live datastore's stream.
         self.loop = off_main_thread(lambda: build_engine_loop(
-            config, self.loaded, max_requests, publish=publish, worker=name,
+            self.config, self.loaded, max_requests, publish=publish, worker=name,
             ray_metrics=metrics))
         # Cancels that arrived before their generate call (both race on the actor's threads).
         self._early_cancels: OrderedDict[str, None] = OrderedDict()
