@@ -44,6 +44,8 @@ VALUE_SETS = {
     "tls": {"tls": {"secretName": "sssd-tls"}, "speculator": {"enabled": True},
             "verifier": {"engine": {"mode": "ssd"}}},
     "grpc-only": {"frontend": {"http": {"enabled": False}}},
+    "gpu-verifier": {"verifier": {"gpu": {"enabled": True, "gpusPerWorker": 0.5},
+                                  "decode": {"replicas": 2, "workersPerPod": 3}}},
     "drafter-replicas": {"drafter": {"replicas": 5, "autoscaling": {"enabled": False},
                                      "config": {"poll_interval_s": 2}},
                          "verifier": {"decode": {"replicas": 3, "workersPerPod": 2}},
@@ -129,6 +131,10 @@ def test_a_strict_validator_refuses_a_misspelled_field(render):
     ({"verifier": {"engine": {"mode": "fast"}}}, "mode"),
     ({"image": {"variant": "rocm"}}, "variant"),
     ({"frontend": {"port": 70000}}, "maximum"),
+    ({"verifier": {"gpu": {"enabled": True, "gpusPerWorker": 0}}}, "exclusiveMinimum"),
+    ({"verifier": {"gpu": {"enabled": True, "gpusPerWorker": 2}}}, "maximum"),
+    ({"verifier": {"gpu": {"enabled": "yes"}}}, "boolean"),
+    ({"verifier": {"gpu": {"resourceName": "nvidia gpu"}}}, "pattern"),
 ])
 def test_the_values_schema_refuses_bad_values(values, message):
     chart = helm.Chart.load(str(CHART))
@@ -146,6 +152,49 @@ def test_the_ray_version_is_the_one_the_image_installs():
               if r.startswith("ray")]
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert pin.endswith("==" + values["verifier"]["rayVersion"])
+
+
+def verifier_settings(objects) -> dict:
+    (config_map,) = [o for o in by_kind(objects, "ConfigMap")
+                     if "SSSD_SERVE_DEVICE" in o.get("data", {})]
+    return config_map["data"]
+
+
+def test_gpu_values_put_the_prefill_and_decode_workers_on_gpu_nodes(render):
+    objects = render(VALUE_SETS["gpu-verifier"])
+    assert verifier_settings(objects)["SSSD_SERVE_DEVICE"] == "cuda"
+    assert verifier_settings(objects)["SSSD_SERVE_GPUS_PER_WORKER"] == "0.5"
+    (cluster,) = by_kind(objects, "RayCluster")
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    # workersPerPod x gpusPerWorker, rounded up: 1 x 0.5 -> 1, 3 x 0.5 -> 2
+    for name, gpus in (("prefill", 1), ("decode", 2)):
+        group = groups[name]
+        pod = group["template"]["spec"]
+        (container,) = pod["containers"]
+        assert group["rayStartParams"]["num-gpus"] == str(gpus)
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus
+        assert container["resources"]["limits"]["cpu"] == "4"  # the group's own limits kept
+        assert container["image"].endswith("-cuda")
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in \
+            pod["tolerations"]
+    # The head (and the frontend in its pod) load no model: CPU image, no GPU.
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]
+    for container in head["containers"]:
+        assert container["image"].endswith("-cpu")
+        assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+
+
+def test_without_gpu_values_the_workers_ask_for_no_gpu(render):
+    objects = render({})
+    assert verifier_settings(objects)["SSSD_SERVE_DEVICE"] == "cpu"
+    (cluster,) = by_kind(objects, "RayCluster")
+    for group in cluster["spec"]["workerGroupSpecs"]:
+        (container,) = group["template"]["spec"]["containers"]
+        assert "num-gpus" not in group["rayStartParams"]
+        assert "nvidia.com/gpu" not in container["resources"]["limits"]
+        assert container["image"].endswith("-cpu")
+        assert "nodeSelector" not in group["template"]["spec"]
 
 
 def test_mode_ssd_without_the_speculator_is_refused_at_render(render):

@@ -42,6 +42,15 @@ securityContext:
   {{- toYaml .Values.securityContext | nindent 2 }}
 {{- end -}}
 
+{{/* A container on a GPU node: the image's cuda variant, whatever image.variant says. */}}
+{{- define "sssd.gpuContainer" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag -}}
+image: {{ printf "%s:%s-cuda" .Values.image.repository $tag }}
+imagePullPolicy: {{ .Values.image.pullPolicy }}
+securityContext:
+  {{- toYaml .Values.securityContext | nindent 2 }}
+{{- end -}}
+
 {{- define "sssd.podSpec" -}}
 securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
