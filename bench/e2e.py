@@ -50,6 +50,7 @@ import torch
 
 from sssd.common.config.logs import configure_logging
 from sssd.common.data.corpus import prompt_token_ids
+from sssd.common.model.device import check_device
 from sssd.common.model.loader import LoadedModel, load_causal_lm
 from sssd.datastore.manifest import read_manifest
 from sssd.verifier.engine import EngineConfig, EngineStats
@@ -162,11 +163,12 @@ def hf_generate_rows(loaded: LoadedModel, prompts: list[list[int]], max_tokens: 
     outputs = {kind: [] for kind in kinds}
     with torch.inference_mode():
         for extra in kinds.values():
-            model.generate(torch.tensor([prompts[0]]), do_sample=False, max_new_tokens=8, **extra)
+            model.generate(torch.tensor([prompts[0]], device=model.device), do_sample=False,
+                           max_new_tokens=8, **extra)
         for prompt in prompts:
             for kind, extra in kinds.items():
                 start = time.perf_counter()
-                out = model.generate(torch.tensor([prompt]), do_sample=False,
+                out = model.generate(torch.tensor([prompt], device=model.device), do_sample=False,
                                      max_new_tokens=max_tokens, **extra)
                 elapsed[kind].append(time.perf_counter() - start)
                 outputs[kind].append(out[0, len(prompt):].tolist())
@@ -243,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="a GGUF file, a model directory or a name of `sssd-models list` "
                         "(default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--device", default="cpu", type=check_device,
+                        help="where the model runs: cpu (default), cuda, cuda:N, auto")
     parser.add_argument("--hf-prompts", type=int, default=10,
                         help="prompts for the transformers generate() row (0: skip)")
     parser.add_argument("--profile", type=Path, default=Path("var/forward-profile.json"),
@@ -270,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     summaries = {ds: datastore_summary(ds) for _, _, ds in configs if ds is not None}
     args.profile.parent.mkdir(parents=True, exist_ok=True)
 
-    loaded = load_causal_lm(args.model, args.dtype)
+    loaded = load_causal_lm(args.model, args.dtype, args.device)
     prompts = [prompt_token_ids(loaded.tokenizer, text)
                for text in prompt_texts(args.set, args.prompts)]
     max_len = max(len(p) for p in prompts) + args.max_tokens + 64
@@ -283,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.hf_prompts:
             for row in hf_generate_rows(loaded, prompts[: args.hf_prompts], args.max_tokens):
-                row.update(prompt_set=args.set, dtype=args.dtype)
+                row.update(prompt_set=args.set, dtype=args.dtype, device=loaded.device)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
         for batch in batch_sizes:
@@ -317,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
                     row["same_as_ar"] = sum(a == b for a, b in zip(run.outputs, baseline.outputs))
                 row.update(prompt_set=args.set, num_prompts=len(prompts),
                            max_tokens=args.max_tokens,
-                           dtype=args.dtype, drafter=args.drafter)
+                           dtype=args.dtype, device=loaded.device, drafter=args.drafter)
                 if run.datastore is not None:
                     row.update(summaries[run.datastore], datastore_name=run.datastore.name)
                 print(json.dumps(row), flush=True)

@@ -53,7 +53,8 @@ def start_speculator(args: argparse.Namespace, fanout: str, ahead: bool,
     command = [console_script("sssd-speculator"), "--model", args.draft, "--dtype", args.dtype,
                "--lookahead", str(args.lookahead), "--fanout-budget", str(fanout_budget),
                "--fanout", fanout, "--num-threads", "1", "--critical-batch-size", "64",
-               "--port", str(port), "--max-len", "2048", "--metrics-port", "0"]
+               "--port", str(port), "--max-len", "2048", "--metrics-port", "0",
+               "--device", args.device]
     if not ahead:
         command.append("--no-speculate-ahead")
     return start_service("speculator", command, "127.0.0.1", port, timeout_s=600), \
@@ -127,6 +128,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"),
                         help="of both models (default float32: on CPUs without bf16 "
                         "instructions a bfloat16 forward costs linearly in its tokens)")
+    parser.add_argument("--device", default="cpu",
+                        help="of the target and the draft model: cpu (default), cuda, cuda:N, "
+                        "auto")
     parser.add_argument("--sets", default="code,mt_bench")
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -151,7 +155,7 @@ def main() -> None:
             raise SystemExit(f"{path} is missing: run `.venv/bin/sssd-models fetch "
                              "qwen-coder-pair` first")
     torch.set_num_threads(1)
-    loaded = load_causal_lm(args.target, args.dtype)
+    loaded = load_causal_lm(args.target, args.dtype, args.device)
     sets = args.sets.split(",")
     prompts = {s: chat_prompts(loaded.tokenizer, prompt_texts(s, args.prompts)) for s in sets}
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -190,7 +194,8 @@ def main() -> None:
                 row = dict(config=config, set=set_name, batch=batch_size,
                            temperature=temperature, lookahead=args.lookahead,
                            fanout_budget=fanout_budget if remote is not None else None,
-                           dtype=args.dtype, num_prompts=len(prompts[set_name]),
+                           dtype=args.dtype, device=loaded.device,
+                           num_prompts=len(prompts[set_name]),
                            **{k: v for k, v in result.items() if k != "outputs"})
                 if remote is not None:
                     row.update(speculator_fields(remote.info(), before))
