@@ -5,6 +5,7 @@
                      [--build-tokens N] [--build-interval-s S]
     sssd-indexer offline --datastore-dir DIR CORPUS.jsonl [--shard-tokens N] [--max-shards 8]
                      [--append]
+    sssd-indexer offline --datastore-dir DIR SOURCE_DIR [--glob '*.py'] [--append] ...
 
 `run` consumes the conversation stream into small shards and merges them in size tiers in the
 background (indexer.py, compaction.py) until SIGTERM. It answers the standard gRPC health check
@@ -18,7 +19,10 @@ var/redis.
 ({"text": ...}) or conversations ({"messages": [{"role", "content"}, ...]}, or ShareGPT's
 {"conversations": [{"from", "value"}, ...]}), tokenized with the model's tokenizer, with a
 progress bar. The vocabulary size and tokenizer fingerprint come from the model (--model, default
-model when omitted).
+model when omitted). The corpus may also be a directory of source files: every file under it
+that matches --glob (default *.py) is one text, in path order, so a code model can draft from
+the code its users have (the Python sources already on a machine, a repository); files that are
+not UTF-8 text or exceed --max-file-bytes are skipped and counted.
 """
 
 from __future__ import annotations
@@ -80,15 +84,46 @@ def corpus_documents(path: Path, tokenizer) -> Iterator[list[int]]:
                                  "{\"conversations\"}")
 
 
+def source_files(directory: Path, pattern: str) -> list[Path]:
+    """The regular files under `directory` whose names match `pattern`, in path order."""
+    return sorted(p for p in directory.rglob(pattern) if p.is_file() and not p.is_symlink())
+
+
+def source_documents(files: list[Path], tokenizer, max_file_bytes: int,
+                     skipped: list[Path]) -> Iterator[list[int]]:
+    """Each file's text as token ids; files too large or not UTF-8 go to `skipped`."""
+    for path in files:
+        try:
+            if path.stat().st_size > max_file_bytes:
+                raise ValueError("too large")
+            text = path.read_text(encoding="utf-8")
+        except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
+            skipped.append(path)
+            continue
+        if text.strip():
+            yield tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def cmd_offline(args: argparse.Namespace) -> int:
-    if not args.corpus.is_file():
-        print(f"sssd-indexer: error: {args.corpus} is not a file", file=sys.stderr)
+    if not args.corpus.exists():
+        print(f"sssd-indexer: error: {args.corpus} does not exist", file=sys.stderr)
         return 2
+    skipped: list[Path] = []
+    if args.corpus.is_dir():
+        files = source_files(args.corpus, args.glob)
+        if not files:
+            print(f"sssd-indexer: error: no file under {args.corpus} matches {args.glob!r}",
+                  file=sys.stderr)
+            return 2
     tokenizer, vocab_size, fingerprint = tokenizer_facts(args.model)
-    with open(args.corpus) as f:
-        total = sum(1 for line in f if line.strip())
-    documents = tqdm(corpus_documents(args.corpus, tokenizer), total=total, unit="doc",
-                     desc="tokenizing")
+    if args.corpus.is_dir():
+        documents = tqdm(source_documents(files, tokenizer, args.max_file_bytes, skipped),
+                         total=len(files), unit="file", desc="tokenizing")
+    else:
+        with open(args.corpus) as f:
+            total = sum(1 for line in f if line.strip())
+        documents = tqdm(corpus_documents(args.corpus, tokenizer), total=total, unit="doc",
+                         desc="tokenizing")
     try:
         manifest = build_datastore(args.datastore_dir, documents, vocab_size, fingerprint,
                                    shard_tokens=args.shard_tokens, max_shards=args.max_shards,
@@ -96,6 +131,9 @@ def cmd_offline(args: argparse.Namespace) -> int:
     except FileExistsError as exc:
         print(f"sssd-indexer: error: {exc}", file=sys.stderr)
         return 2
+    if skipped:
+        print(f"skipped {len(skipped)} files (not UTF-8 text, or over {args.max_file_bytes} "
+              f"bytes), e.g. {skipped[0]}")
     print(f"manifest v{manifest.version}: {len(manifest.shards)} shards in {args.datastore_dir}")
     return 0
 
@@ -216,7 +254,15 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--append", action="store_true",
                              help="add to a datastore that already holds shards (default: "
                              "refuse)")
-            sub.add_argument("corpus", type=Path)
+            sub.add_argument("--glob", default="*.py",
+                             help="with a directory as the corpus: the files to index "
+                             "(default *.py)")
+            sub.add_argument("--max-file-bytes", type=int, default=1 << 20,
+                             help="with a directory: skip larger files, which are mostly data "
+                             "(default 1 MiB)")
+            sub.add_argument("corpus", type=Path,
+                             help="a JSONL file of texts or conversations, or a directory of "
+                             "source files")
         else:
             # SSSD_INDEXER_<FIELD> sets a field too (a flag wins): the Helm chart's ConfigMap.
             add_flags(sub, IndexerConfig, exclude=("redis_url",), env_prefix="SSSD_INDEXER_")

@@ -151,6 +151,29 @@ def test_offline_build_from_a_corpus_file(tmp_path, tokenizer):
         main(["offline", "--datastore-dir", str(tmp_path / "ds2"), str(bad)])
 
 
+def test_offline_build_from_a_directory_of_sources(tmp_path, tokenizer, capsys):
+    from sssd.indexer.service import main
+
+    sources = tmp_path / "src"
+    (sources / "pkg").mkdir(parents=True)
+    (sources / "pkg" / "b.py").write_text("def add(a, b):\n    return a + b\n")
+    (sources / "a.py").write_text("import os\nprint(os.getcwd())\n")
+    (sources / "notes.txt").write_text("not matched by the glob")
+    (sources / "blob.py").write_bytes(b"\xff\xfe binary, not UTF-8")
+    (sources / "big.py").write_text("x = 1\n" * 100)
+    (sources / "empty.py").write_text("\n")
+    assert main(["offline", "--datastore-dir", str(tmp_path / "ds"), "--max-file-bytes", "500",
+                 str(sources)]) == 0
+    texts = [tokenizer.decode(d) for d in read_documents(tmp_path / "ds")]
+    # in path order; the binary and the oversized file skipped, the empty one has no tokens
+    assert texts == ["import os\nprint(os.getcwd())\n", "def add(a, b):\n    return a + b\n"]
+    assert "skipped 2 files" in capsys.readouterr().out
+    assert main(["offline", "--datastore-dir", str(tmp_path / "ds2"), "--glob", "*.rs",
+                 str(sources)]) == 2
+    assert main(["offline", "--datastore-dir", str(tmp_path / "ds3"),
+                 str(tmp_path / "missing")]) == 2
+
+
 def test_a_conversation_over_http_reaches_the_stream_once_and_is_indexed(tmp_path,
                                                                          target_model_fp32):
     import json
