@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -37,12 +38,37 @@ PRIOR_WEIGHT = 8  # the prior counts as this many observed steps
 PROFILE_WEIGHT = 8  # a profiled step time counts as this many observed ones
 FAR_BEHIND = 0.2  # a next budget this far below the best rate is explored rarely
 FAR_EXPLORE_FACTOR = 8  # how much more rarely
+# A (batch size, budget)'s step time is the median of its last RECENT_STEPS observed steps once
+# it has CALIBRATION_STEPS of them: one slow step moves it not at all, a machine that changed
+# moves it within a few steps.
+CALIBRATION_STEPS = 3
+RECENT_STEPS = 9
+CALIBRATED_EXPLORE_FACTOR = 4  # a calibrated neighbour is explored this much more rarely
 DEFAULT_BATCHES = (1, 2, 4, 8)
 PROFILE_CONTEXT = 256  # cached tokens per sequence while profiling the forward pass
 
 
 class BudgetPolicy(Protocol):
     def budget(self, batch_size: int) -> int: ...
+
+    def _num_observed(self, batch_size: int, budget: int) -> int:
+        return len(self._recent_seconds.get((batch_size, budget), ()))
+
+    def _to_calibrate(self, batch_size: int, seconds: list[float],
+                      best_rate: float) -> int | None:
+        """The smallest budget with fewer than CALIBRATION_STEPS observed steps at this batch
+        size whose rate would beat `best_rate` at its lowest possible cost: the cost of the
+        largest smaller budget observed here (step costs do not fall as budgets grow)."""
+        floor = None  # the estimated cost of the largest smaller budget observed so far
+        for (_, s), t in zip(self.candidates, seconds):
+            observed = self._num_observed(batch_size, s)
+            if observed < CALIBRATION_STEPS and floor is not None and floor < t:
+                optimistic = (1.0 + self.expected_accepted[s]) / floor
+                if optimistic > (1.0 + self.tie_tolerance) * best_rate:
+                    return s
+            if observed:
+                floor = t if floor is None else max(floor, t)
+        return None
 
     def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
                 step_s: float | None) -> None:
@@ -80,6 +106,25 @@ class FixedBudget(_NoHindsight):
     def budget(self, batch_size: int) -> int:
         return self._budget
 
+    def _num_observed(self, batch_size: int, budget: int) -> int:
+        return len(self._recent_seconds.get((batch_size, budget), ()))
+
+    def _to_calibrate(self, batch_size: int, seconds: list[float],
+                      best_rate: float) -> int | None:
+        """The smallest budget with fewer than CALIBRATION_STEPS observed steps at this batch
+        size whose rate would beat `best_rate` at its lowest possible cost: the cost of the
+        largest smaller budget observed here (step costs do not fall as budgets grow)."""
+        floor = None  # the estimated cost of the largest smaller budget observed so far
+        for (_, s), t in zip(self.candidates, seconds):
+            observed = self._num_observed(batch_size, s)
+            if observed < CALIBRATION_STEPS and floor is not None and floor < t:
+                optimistic = (1.0 + self.expected_accepted[s]) / floor
+                if optimistic > (1.0 + self.tie_tolerance) * best_rate:
+                    return s
+            if observed:
+                floor = t if floor is None else max(floor, t)
+        return None
+
     def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
                 step_s: float | None) -> None:
         pass
@@ -92,6 +137,25 @@ class RuleBudget(_NoHindsight):
 
     def budget(self, batch_size: int) -> int:
         return speculation_budget(batch_size, self.knee_intensity, self.max_budget)
+
+    def _num_observed(self, batch_size: int, budget: int) -> int:
+        return len(self._recent_seconds.get((batch_size, budget), ()))
+
+    def _to_calibrate(self, batch_size: int, seconds: list[float],
+                      best_rate: float) -> int | None:
+        """The smallest budget with fewer than CALIBRATION_STEPS observed steps at this batch
+        size whose rate would beat `best_rate` at its lowest possible cost: the cost of the
+        largest smaller budget observed here (step costs do not fall as budgets grow)."""
+        floor = None  # the estimated cost of the largest smaller budget observed so far
+        for (_, s), t in zip(self.candidates, seconds):
+            observed = self._num_observed(batch_size, s)
+            if observed < CALIBRATION_STEPS and floor is not None and floor < t:
+                optimistic = (1.0 + self.expected_accepted[s]) / floor
+                if optimistic > (1.0 + self.tie_tolerance) * best_rate:
+                    return s
+            if observed:
+                floor = t if floor is None else max(floor, t)
+        return None
 
     def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
                 step_s: float | None) -> None:
@@ -171,9 +235,19 @@ class MeasuredBudget:
 
     Step times start from the profile, which was measured on one synthetic context length and
     times the forward pass alone, worth PROFILE_WEIGHT steps; the step times the engine observes
-    at (b, s_q), drafting and acceptance included, move them, a running mean at first and a
-    moving average later, until they replace the profile's. (A profile is reused across starts,
-    and a step costs more than its forward pass: a budget's true cost is known only once it ran.)
+    at (b, s_q), drafting and acceptance included, move them as a running mean, and from the
+    CALIBRATION_STEPS-th step on the median of the last RECENT_STEPS replaces the profile's.
+    (A profile is reused across starts, may have been taken on a busy machine, and a step costs
+    more than its forward pass: a budget's true cost is known only once it ran.)
+
+    A wrong profile must not keep a budget out for long. A step's cost does not fall as its
+    budget grows, so a budget costs at most what a larger budget was measured to cost at this
+    batch size (its estimate is capped there), and at least what the largest smaller budget
+    observed costs: a budget with fewer than CALIBRATION_STEPS observed steps whose rate at that
+    lower bound would beat the best is run (the smallest such first) until it has them. A
+    profile that overprices budgets (one taken while the machine was busy) is thus corrected
+    within a few dozen steps, at a bounded cost: each (b, s_q) is calibrated at most
+    CALIBRATION_STEPS times.
 
     The estimates start from a prior (acceptance statistics saved by an earlier run, else
     DEFAULT_ACCEPTANCE_PRIOR), which counts as PRIOR_WEIGHT steps: a fresh server speculates
@@ -219,25 +293,37 @@ class MeasuredBudget:
             if prior is not None and s in prior:
                 self.expected_accepted[s] = float(prior[s])
                 self._weights[s] = PRIOR_WEIGHT
-        self.observed_seconds: dict[tuple[int, int], float] = {}  # (b, s) -> moving average
-        self._seconds_weights: dict[tuple[int, int], int] = {}  # steps behind each average
+        self.observed_seconds: dict[tuple[int, int], float] = {}  # (b, s) -> estimate
+        self._seconds_weights: dict[tuple[int, int], int] = {}  # steps behind each estimate
+        self._recent_seconds: dict[tuple[int, int], deque[float]] = {}  # last observed steps
         self._num_calls = 0
+        # The last budget() was an exploration or calibration step: it is there to time its
+        # budget, so it is not also a hindsight step (whose time says nothing about it).
+        self._is_timing_step = False
 
     def budget(self, batch_size: int) -> int:
         self._num_calls += 1
+        self._is_timing_step = True
         unobserved = [s for _, s in self.candidates if self.expected_accepted[s] is None]
         if unobserved:
             return max(unobserved)  # one step there measures every smaller budget too
 
-        def rate(index: int, s: int) -> float:
-            seconds = self.observed_seconds.get((batch_size, s))
-            if seconds is None:
-                seconds = self.profile.time(batch_size, index)
-            return (1.0 + self.expected_accepted[s]) / seconds
-
-        rates = [rate(index, s) for index, s in self.candidates]
+        seconds = [self.observed_seconds.get((batch_size, s), self.profile.time(batch_size, j))
+                   for j, s in self.candidates]
+        # A smaller budget costs at most what a larger one was measured to cost: a profile
+        # that overprices it must not keep it out until it is explored.
+        cap = float("inf")
+        for i in reversed(range(len(seconds))):
+            seconds[i] = min(seconds[i], cap)
+            if self._num_observed(batch_size, self.candidates[i][1]) >= CALIBRATION_STEPS:
+                cap = seconds[i]
+        rates = [(1.0 + self.expected_accepted[s]) / t
+                 for (_, s), t in zip(self.candidates, seconds)]
         threshold = (1.0 - self.tie_tolerance) * max(rates)
         best = next(i for i, r in enumerate(rates) if r >= threshold)  # smallest near-best
+        calibrating = self._to_calibrate(batch_size, seconds, rates[best])
+        if calibrating is not None:
+            return calibrating
         # Without hindsight the next larger budget is explored (its acceptance); with it the
         # next smaller one (its step time) and, half as often, the next larger one (its step
         # time: one slow step must not price it out for good). Often while the neighbour is
@@ -249,9 +335,32 @@ class MeasuredBudget:
             if 0 <= other < len(self.candidates):
                 close = rates[other] >= (1.0 - FAR_BEHIND) * rates[best]
                 every = slower * self.explore_every * (1 if close else FAR_EXPLORE_FACTOR)
+                if self._num_observed(batch_size, self.candidates[other][1]) >= \
+                        CALIBRATION_STEPS:
+                    every *= CALIBRATED_EXPLORE_FACTOR
                 if (self._num_calls + offset) % every == 0:
                     return self.candidates[other][1]
+        self._is_timing_step = False
         return self.candidates[best][1]
+
+    def _num_observed(self, batch_size: int, budget: int) -> int:
+        return len(self._recent_seconds.get((batch_size, budget), ()))
+
+    def _to_calibrate(self, batch_size: int, seconds: list[float],
+                      best_rate: float) -> int | None:
+        """The smallest budget with fewer than CALIBRATION_STEPS observed steps at this batch
+        size whose rate would beat `best_rate` at its lowest possible cost: the cost of the
+        largest smaller budget observed here (step costs do not fall as budgets grow)."""
+        floor = None  # the estimated cost of the largest smaller budget observed so far
+        for (_, s), t in zip(self.candidates, seconds):
+            observed = self._num_observed(batch_size, s)
+            if observed < CALIBRATION_STEPS and floor is not None and floor < t:
+                optimistic = (1.0 + self.expected_accepted[s]) / floor
+                if optimistic > (1.0 + self.tie_tolerance) * best_rate:
+                    return s
+            if observed:
+                floor = t if floor is None else max(floor, t)
+        return None
 
     def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
                 step_s: float | None) -> None:
@@ -274,12 +383,17 @@ class MeasuredBudget:
             old_seconds = step_s if index is None else self.profile.time(batch_size, index)
             self._seconds_weights[key] = 0 if index is None else PROFILE_WEIGHT
         self._seconds_weights[key] += 1
-        rate = max(self.decay, 1.0 / self._seconds_weights[key])
-        self.observed_seconds[key] = old_seconds + rate * (step_s - old_seconds)
+        recent = self._recent_seconds.setdefault(key, deque(maxlen=RECENT_STEPS))
+        recent.append(step_s)
+        if len(recent) >= CALIBRATION_STEPS:
+            self.observed_seconds[key] = float(np.median(recent))
+        else:  # the profile's time still counts: one slow first step must not decide
+            rate = 1.0 / self._seconds_weights[key]
+            self.observed_seconds[key] = old_seconds + rate * (step_s - old_seconds)
 
     def draft_budget(self, batch_size: int, budget: int) -> int:
         largest = self.candidates[-1][1]
-        if not self.hindsight_every or budget >= largest:
+        if not self.hindsight_every or budget >= largest or self._is_timing_step:
             return budget
         self._num_draft_calls += 1
         return largest if self._num_draft_calls % self.hindsight_every == 0 else budget

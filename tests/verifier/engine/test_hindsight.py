@@ -110,8 +110,9 @@ def test_policy_drafts_largest_tree_every_nth_step_and_learns_only_above():
 def test_policy_explores_less_once_hindsight_arrives():
     # Nothing is ever accepted, on verified steps and in hindsight, and at b = 1 every budget
     # costs the same. Without hindsight the policy explores budget 2 every 8th step (its
-    # acceptance is unknown); with it, acceptance is known, and budget 2 is tried for its step
-    # time only, every 16th step.
+    # acceptance is unknown) until its step time is calibrated (3 steps), then every 32nd;
+    # with hindsight, acceptance is known, and budget 2 is tried for its step time only,
+    # every 64th step.
     policy = MeasuredBudget(steep_profile(), max_budget=32, prior={s: 0.0 for s in
                                                                    (1, 2, 4, 8, 16, 32)})
     chosen = []
@@ -121,8 +122,8 @@ def test_policy_explores_less_once_hindsight_arrives():
         policy.observe(1, s, [[]], 0.04)
         if step == 99:
             policy.observe_hindsight(1, 1, [[]])
-    assert chosen[:100].count(2) == 12
-    assert chosen[100:].count(2) == 16
+    assert [i for i, s in enumerate(chosen[:100]) if s == 2] == [7, 15, 23, 31, 63, 95]
+    assert [i for i, s in enumerate(chosen[100:], 100) if s == 2] == [119, 183, 247, 311]
     assert set(chosen) == {1, 2}
 
 
