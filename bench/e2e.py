@@ -221,8 +221,8 @@ def specs(modes: list[str], policies: list[str], datastore: Path | None,
             result.append(("ar", "rule", None))
         for policy in policies if mode != "ar" else ():
             result.append((mode, policy, datastore if mode == "sssd" else None))
-    if extra is not None:
-        result.append(("sssd", "measured", extra))
+    if extra is not None and "sssd" in modes:
+        result += [("sssd", policy, extra) for policy in policies]
     return result
 
 
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="datastore for sssd (default: the largest "
                         "var/self-outputs/datastore-N)")
     parser.add_argument("--extra-datastore", type=Path, default=None,
-                        help="a second datastore, run as one more sssd configuration (measured)")
+                        help="a second datastore, run with sssd and every --policies policy")
     parser.add_argument("--set", default="mt_bench", choices=SETS[:2],
                         help="prompt set: mt_bench first turns (default) or the code set")
     parser.add_argument("--prompts", type=int, default=80, help="prompts of the set (80)")

@@ -266,9 +266,8 @@ def run(args: argparse.Namespace) -> int:
                   **frontend_values),
         grace_s=0 if args.once else args.grace_s,
         loading="[3/5] loading the model into this process (--no-ray)" if args.no_ray else
-        f"[3/5] starting Ray (prefill and decode workers: "
-        f"{ray_config.num_prefill_workers or 'auto'} + {ray_config.num_decode_workers or 'auto'}"
-        f", auth {ray_config.auth}); loading the model in each",
+        f"[3/5] starting Ray ({describe_workers(ray_config)}, auth {ray_config.auth}); loading "
+        "the model in each",
         describe=lambda frontend: serving_lines(args.host, frontend))
     components.append(api)
     stack = Stack(components)
@@ -348,6 +347,15 @@ def http_examples(url: str, model: str) -> str:
             f"              model=\"{model}\", messages=[{{\"role\": \"user\", "
             "\"content\": \"Hello!\"}])\n"
             "          print(reply.choices[0].message.content)")
+
+
+def describe_workers(ray_config: RayConfig) -> str:
+    """The worker counts as placement.plan_workers will choose them."""
+    num_prefill, num_decode = ray_config.num_prefill_workers, ray_config.num_decode_workers
+    text = f"{num_prefill or 1} prefill + {num_decode or 1} decode workers"
+    if num_prefill is None or num_decode is None:
+        text += " (with GPUs: one per GPU)"
+    return text
 
 
 def print_speculator(target: str) -> None:
