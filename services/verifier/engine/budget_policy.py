@@ -51,25 +51,6 @@ PROFILE_CONTEXT = 256  # cached tokens per sequence while profiling the forward 
 class BudgetPolicy(Protocol):
     def budget(self, batch_size: int) -> int: ...
 
-    def _num_observed(self, batch_size: int, budget: int) -> int:
-        return len(self._recent_seconds.get((batch_size, budget), ()))
-
-    def _to_calibrate(self, batch_size: int, seconds: list[float],
-                      best_rate: float) -> int | None:
-        """The smallest budget with fewer than CALIBRATION_STEPS observed steps at this batch
-        size whose rate would beat `best_rate` at its lowest possible cost: the cost of the
-        largest smaller budget observed here (step costs do not fall as budgets grow)."""
-        floor = None  # the estimated cost of the largest smaller budget observed so far
-        for (_, s), t in zip(self.candidates, seconds):
-            observed = self._num_observed(batch_size, s)
-            if observed < CALIBRATION_STEPS and floor is not None and floor < t:
-                optimistic = (1.0 + self.expected_accepted[s]) / floor
-                if optimistic > (1.0 + self.tie_tolerance) * best_rate:
-                    return s
-            if observed:
-                floor = t if floor is None else max(floor, t)
-        return None
-
     def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
                 step_s: float | None) -> None:
         """After a step at `budget`: per row, the tree nodes of its accepted path; the seconds
@@ -106,25 +87,6 @@ class FixedBudget(_NoHindsight):
     def budget(self, batch_size: int) -> int:
         return self._budget
 
-    def _num_observed(self, batch_size: int, budget: int) -> int:
-        return len(self._recent_seconds.get((batch_size, budget), ()))
-
-    def _to_calibrate(self, batch_size: int, seconds: list[float],
-                      best_rate: float) -> int | None:
-        """The smallest budget with fewer than CALIBRATION_STEPS observed steps at this batch
-        size whose rate would beat `best_rate` at its lowest possible cost: the cost of the
-        largest smaller budget observed here (step costs do not fall as budgets grow)."""
-        floor = None  # the estimated cost of the largest smaller budget observed so far
-        for (_, s), t in zip(self.candidates, seconds):
-            observed = self._num_observed(batch_size, s)
-            if observed < CALIBRATION_STEPS and floor is not None and floor < t:
-                optimistic = (1.0 + self.expected_accepted[s]) / floor
-                if optimistic > (1.0 + self.tie_tolerance) * best_rate:
-                    return s
-            if observed:
-                floor = t if floor is None else max(floor, t)
-        return None
-
     def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
                 step_s: float | None) -> None:
         pass
@@ -137,25 +99,6 @@ class RuleBudget(_NoHindsight):
 
     def budget(self, batch_size: int) -> int:
         return speculation_budget(batch_size, self.knee_intensity, self.max_budget)
-
-    def _num_observed(self, batch_size: int, budget: int) -> int:
-        return len(self._recent_seconds.get((batch_size, budget), ()))
-
-    def _to_calibrate(self, batch_size: int, seconds: list[float],
-                      best_rate: float) -> int | None:
-        """The smallest budget with fewer than CALIBRATION_STEPS observed steps at this batch
-        size whose rate would beat `best_rate` at its lowest possible cost: the cost of the
-        largest smaller budget observed here (step costs do not fall as budgets grow)."""
-        floor = None  # the estimated cost of the largest smaller budget observed so far
-        for (_, s), t in zip(self.candidates, seconds):
-            observed = self._num_observed(batch_size, s)
-            if observed < CALIBRATION_STEPS and floor is not None and floor < t:
-                optimistic = (1.0 + self.expected_accepted[s]) / floor
-                if optimistic > (1.0 + self.tie_tolerance) * best_rate:
-                    return s
-            if observed:
-                floor = t if floor is None else max(floor, t)
-        return None
 
     def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
                 step_s: float | None) -> None:
