@@ -44,6 +44,7 @@ FAR_EXPLORE_FACTOR = 8  # how much more rarely
 CALIBRATION_STEPS = 3
 RECENT_STEPS = 9
 CALIBRATED_EXPLORE_FACTOR = 4  # a calibrated neighbour is explored this much more rarely
+SAME_COST = 1.02  # step times within 2 % count as the same cost
 DEFAULT_BATCHES = (1, 2, 4, 8)
 PROFILE_CONTEXT = 256  # cached tokens per sequence while profiling the forward pass
 
@@ -264,6 +265,12 @@ class MeasuredBudget:
                  for (_, s), t in zip(self.candidates, seconds)]
         threshold = (1.0 - self.tie_tolerance) * max(rates)
         best = next(i for i, r in enumerate(rates) if r >= threshold)  # smallest near-best
+        # ... unless the next budget costs the same (on a CPU, trees of up to 4 nodes run as
+        # one product of 4 rows): then its strictly higher rate is free, and near-ties that
+        # hindsight's slower learning of the larger budget creates must not keep it out.
+        while best + 1 < len(rates) and seconds[best + 1] <= SAME_COST * seconds[best] and \
+                rates[best + 1] > rates[best]:
+            best += 1
         calibrating = self._to_calibrate(batch_size, seconds, rates[best])
         if calibrating is not None:
             return calibrating

@@ -179,10 +179,11 @@ def test_a_measured_larger_budget_caps_what_a_smaller_one_may_cost():
     # The profile overprices budgets 2 and 4 (a busy moment while profiling); budget 8 has
     # been measured at 0.05 s, so neither can cost more than that.
     profile = ForwardProfile([1], [1, 2, 4, 8], np.array([[0.04, 0.2, 0.2, 0.05]]))
-    policy = MeasuredBudget(profile, max_budget=8, prior={1: 0.0, 2: 0.8, 4: 1.5, 8: 1.6})
+    policy = MeasuredBudget(profile, max_budget=8, prior={1: 0.0, 2: 0.8, 4: 1.5, 8: 1.5})
     for _ in range(3):
-        policy.observe(1, 8, [[1, 2]], 0.05)
-    # capped: 2.5 tokens in at most 0.05 s beats 2.6 in 0.05 s within the tie tolerance
+        policy.observe(1, 8, [[1, 2]], 0.05)  # nothing accepted beyond node 3
+    # Capped at 0.05 s, budget 4 is as good as 8 (the same tokens for the same time) and the
+    # tie goes to the smaller; priced by the profile (0.2 s) it would have lost to 8.
     assert policy.budget(1) == 4
 
 
@@ -267,3 +268,15 @@ def test_a_profile_taken_under_load_does_not_hold_the_policy_back(machine, profi
         tokens, seconds = simulate(measured_policy(profile_seconds), true_seconds, seed)
         ratios.append(tokens[32:].sum() / seconds[32:].sum() / max(rates.values()))
     assert np.median(ratios) >= 0.95 and min(ratios) >= 0.9, ratios
+
+
+def test_of_two_budgets_that_cost_the_same_the_one_that_gets_more_accepted_wins():
+    # At b = 1 on a CPU, trees of 2 and 4 nodes cost the same (one product of 4 rows). A rate
+    # within the tie tolerance would go to the smaller budget; at the same cost, 4's extra
+    # accepted tokens are free.
+    profile = ForwardProfile([1], [1, 2, 4, 8], np.array([[0.076, 0.0817, 0.0817, 0.117]]))
+    policy = MeasuredBudget(profile, max_budget=8, prior={1: 0.0, 2: 0.40, 4: 0.43, 8: 0.45})
+    assert policy.budget(1) == 4
+    # ... but equal rates at the same cost stay with the smaller budget
+    policy = MeasuredBudget(profile, max_budget=8, prior={1: 0.0, 2: 0.40, 4: 0.40, 8: 0.40})
+    assert policy.budget(1) == 2
