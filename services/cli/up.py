@@ -80,6 +80,7 @@ from sssd.speculator.client import RemoteSpeculator
 from sssd.verifier.engine.config import SERVING_PROFILE_PATH, EngineConfig
 from sssd.verifier.serving.config import FrontendConfig, RayConfig
 from sssd.verifier.serving.frontend import Frontend
+from sssd.verifier.serving.placement import plan_workers
 
 logger = logging.getLogger(__name__)
 
@@ -350,10 +351,11 @@ def http_examples(url: str, model: str) -> str:
 
 
 def describe_workers(ray_config: RayConfig) -> str:
-    """The worker counts as placement.plan_workers will choose them."""
-    num_prefill, num_decode = ray_config.num_prefill_workers, ray_config.num_decode_workers
-    text = f"{num_prefill or 1} prefill + {num_decode or 1} decode workers"
-    if num_prefill is None or num_decode is None:
+    """The worker counts placement.plan_workers chooses on CPUs (on GPUs unset counts become
+    one worker per GPU, known once Ray is up)."""
+    plan = plan_workers(ray_config, "cpu", 0)
+    text = f"{plan.num_prefill_workers} prefill + {plan.num_decode_workers} decode workers"
+    if ray_config.num_prefill_workers is None or ray_config.num_decode_workers is None:
         text += " (with GPUs: one per GPU)"
     return text
 

@@ -94,13 +94,13 @@ def source_documents(files: list[Path], tokenizer, max_file_bytes: int,
     """Each file's text as token ids; files too large or not UTF-8 go to `skipped`."""
     for path in files:
         try:
-            if path.stat().st_size > max_file_bytes:
-                raise ValueError("too large")
-            text = path.read_text(encoding="utf-8")
-        except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
+            text = path.read_text(encoding="utf-8") \
+                if path.stat().st_size <= max_file_bytes else None
+        except (OSError, UnicodeDecodeError):
+            text = None
+        if text is None:
             skipped.append(path)
-            continue
-        if text.strip():
+        elif text.strip():
             yield tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

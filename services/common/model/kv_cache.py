@@ -100,10 +100,9 @@ class SlotKVCache:
             self.lengths[slot] = base + 1 + len(nodes)
         if not rows:
             return
-        device = self.keys[0].device  # the index tensors go to the cache in one copy each
-        row_index = torch.tensor(rows).to(device, non_blocking=True)
-        source_index = torch.tensor(sources).to(device, non_blocking=True)
-        target_index = torch.tensor(targets).to(device, non_blocking=True)
+        # [3, num_moves]: to the cache's device in one copy
+        indices = torch.tensor((rows, sources, targets)).to(self.keys[0].device, non_blocking=True)
+        row_index, source_index, target_index = indices
         for buffer in (*self.keys, *self.values):
             # The right-hand side is gathered into a new tensor first, so overlaps are safe.
             buffer[row_index, :, target_index] = buffer[row_index, :, source_index]

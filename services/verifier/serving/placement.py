@@ -31,9 +31,8 @@ class WorkerPlan:
 def plan_workers(config: RayConfig, device: str, cluster_gpus: float) -> WorkerPlan:
     """The workers for an engine on `device` (EngineConfig.device) in a cluster that reports
     `cluster_gpus` GPUs. Raises ValueError when the device asks for GPUs the cluster lacks."""
-    wants_gpus = is_gpu_setting(device) or (device == "auto" and cluster_gpus > 0)
-    if config.gpus_per_worker is not None and config.gpus_per_worker > 0:
-        wants_gpus = True
+    wants_gpus = is_gpu_setting(device) or (device == "auto" and cluster_gpus > 0) or \
+        config.gpus_per_worker is not None  # RayConfig keeps it in (0, 1]
     if not wants_gpus:
         return WorkerPlan(config.num_prefill_workers or 1, config.num_decode_workers or 1, 0.0)
     if cluster_gpus <= 0:
