@@ -40,6 +40,7 @@ class LocalDrafter:
     def __init__(self, config: DrafterConfig) -> None:
         self.config = config
         self._is_started = False
+        self._is_closed = False
         self._core = _core.BatchDrafter(config.params.to_core(), config.resolved_num_threads)
         self._sequences: dict[str, _Sequence] = {}
         self._lock = threading.Lock()
@@ -63,6 +64,8 @@ class LocalDrafter:
         return self
 
     def close(self) -> None:
+        """Stops the watcher and releases the datastore; `propose` is refused afterwards."""
+        self._is_closed = True
         if self.watcher is not None:
             self.watcher.close()
 
@@ -84,6 +87,8 @@ class LocalDrafter:
         RuntimeError before `start()`: without it the datastore was never loaded and every
         tree would silently come from the input trie alone.
         """
+        if self._is_closed:
+            raise RuntimeError("this drafter is closed: its datastore was released")
         if not self._is_started:
             raise RuntimeError("LocalDrafter.start() was not called: the datastore is not loaded "
                                "yet (call start(), or use the drafter as a context manager)")

@@ -157,7 +157,16 @@ class DatastoreWatcher:
                 logger.exception("datastore refresh failed")
 
     def close(self) -> None:
+        """Stops polling and releases the datastore's memory maps here, in the closing thread.
+
+        Left to the garbage collector, the last reference can be dropped by a daemon thread
+        (gRPC's server thread holds the servicer) while the interpreter is finalizing; unmapping
+        releases the GIL, and a thread that takes it back during finalization is torn down
+        through the extension's frames, which aborts the process.
+        """
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        with self._refresh_lock:
+            self.current = None

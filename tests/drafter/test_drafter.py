@@ -114,6 +114,19 @@ def test_bad_input_is_refused_and_changes_nothing(drafter, requests, message):
     assert after == reference
 
 
+def test_close_releases_the_datastore_and_refuses_later_calls(datastore_dir):
+    # The datastore's memory maps are released by close() itself: left to a daemon thread
+    # during interpreter shutdown, unmapping aborted the drafter service now and then.
+    drafter = LocalDrafter(DrafterConfig(datastore_dir=str(datastore_dir), vocab_size=VOCAB,
+                                         tokenizer_fingerprint=FINGERPRINT))
+    drafter.start()
+    assert drafter.watcher.current is not None
+    drafter.close()
+    assert drafter.watcher.current is None
+    with pytest.raises(RuntimeError, match="closed"):
+        drafter.propose([DraftRequest("a", [1, 2], 4, is_start=True)])
+
+
 def test_sequence_table_capacity(drafter):
     drafter.propose([DraftRequest(f"s{i}", [1, 2], 4, True) for i in range(3)])
     with pytest.raises(CapacityError, match="max_sequences=3"):
