@@ -12,6 +12,9 @@ with the SSSD drafter (linear drafts).
 Systems, each run in a fresh process, one at a time, taking turns cell by cell (model, dtype,
 batch size), so that all of them see the same machine:
 - engine: this project's engine without speculation (model_impl auto: its own forward pass);
+- engine-onednn: the same with oneDNN's matrix products where the engine would use its
+  bfloat16 panels (sssd._kernels.linear_bf16; bfloat16 on CPUs with AVX-512 BF16): the engine
+  before them. Skipped in float32 cells, where both are the same;
 - engine-transformers: the same engine over the transformers forward (model_impl
   transformers; the engine before its own forward pass);
 - generate: transformers' `generate`, greedy, `batch size` prompts at a time, left-padded;
@@ -51,7 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 RESULT = "engine-speed-result: "
-PLAIN = ("engine", "engine-transformers", "generate", "vllm")
+PLAIN = ("engine", "engine-onednn", "engine-transformers", "generate", "vllm")
 SPECULATIVE = ("engine-sssd", "vllm-sssd")
 PROPOSER = "sssd.vllm.proposer.VllmDrafterProposer"
 MODEL_NAMES = {"smollm2": None}  # None: the default model; others: sssd-models names
@@ -78,6 +81,10 @@ def engine_worker(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     from sssd.verifier.engine import EngineConfig, EngineStats
     from sssd.verifier.factory import build_engine
 
+    if args.system == "engine-onednn":  # the decoder's products by oneDNN, as before the panels
+        from sssd.verifier.engine import decoder
+
+        decoder._panels_usable = lambda dtype, device: False
     loaded = load_causal_lm(args.model_file, args.dtype)
     speculative = args.system == "engine-sssd"
     config = EngineConfig(
@@ -299,6 +306,8 @@ def main(argv: list[str] | None = None) -> None:
                     runs: dict[str, list[dict]] = {}
                     for _ in range(args.repeats):  # systems take turns within a repeat
                         for system in systems + model_speculative:
+                            if system == "engine-onednn" and dtype != "bfloat16":
+                                continue  # no panels in float32: the same as "engine"
                             runs.setdefault(system, []).append(
                                 run_system(args, system, cell, work, prompts_file, extra))
                     for row in summarize(cell, runs, bandwidth):

@@ -7,8 +7,12 @@ the transformers modules, and a plain `linear` streams the weights at a fraction
 bandwidth. Here each layer is a handful of tensor operations on weights prepared once:
 - query, key and value projections fused into one matrix, gate and up projections into another,
   so a layer makes four matrix products;
-- on CPUs with oneDNN, every weight prepacked in its blocked layout, which reads the weights at
-  about twice the bandwidth of a plain `linear` and keeps a step nearly flat up to 8-16 rows;
+- on CPUs with AVX-512 BF16, a bfloat16 model's products by sssd._kernels.linear_bf16, on
+  weights packed in panels that a step reads as one stream: near the machine's read bandwidth
+  from one row to eight, and a row's result independent of the rows beside it;
+- elsewhere on CPUs with oneDNN, every weight prepacked in its blocked layout, which reads the
+  weights at about twice the bandwidth of a plain `linear` and keeps a step nearly flat up to
+  8-16 rows;
 - rotary cosines and sines tabulated once for every cache position, by the model's own rotary
   module, so the positions are those of transformers (and every rope scaling it implements);
 - attention over the slot KV cache, each node seeing the cached prefix, its ancestors and itself
@@ -35,9 +39,10 @@ from sssd.common.model.kv_cache import SlotKVCache
 from sssd.verifier.engine.tree_batch import TreeBatch
 
 FAMILIES = ("llama", "qwen2")
-# The fewest rows a prepacked product runs on (see _layers_fused): oneDNN rounds a lone row
-# differently, and its kernels for 1-3 rows read the weights slower than its kernel for 4
-# (Qwen2.5-1.5B, bf16, every product of a step: 93 / 111 / 78 / 74 ms for 1 / 2 / 3 / 4 rows).
+# The fewest rows a product prepacked for oneDNN runs on (see _layers_fused): oneDNN rounds a
+# lone row differently, and its kernels for 1-3 rows read the weights slower than its kernel for
+# 4 (Qwen2.5-1.5B, bf16, every product of a step: 93 / 111 / 78 / 74 ms for 1 / 2 / 3 / 4 rows).
+# The bfloat16 panels (linear_bf16) need no minimum.
 MIN_PRODUCT_ROWS = 4
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # sssd._kernels' Dtype
 
@@ -61,19 +66,54 @@ def _oneDNN_usable(dtype: torch.dtype, device: torch.device) -> bool:
         torch.backends.mkldnn.is_available()
 
 
-class Linear:
-    """y = x W^T (+ b) for x [num_rows, in_features]; the weight prepacked for oneDNN when
-    `pack` (CPU, float32 or bfloat16), else a plain `linear`."""
+def _panels_usable(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and dtype == torch.bfloat16 and _kernels.has_avx512_bf16()
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out_features, in_features] in bfloat16 as linear_bf16's panels: [num_panels,
+    in_features / 2, 64, 2], the last panel's missing outputs zero."""
+    out_features, in_features = weight.shape
+    num_panels = _kernels.packed_bf16_panels(out_features)
+    padded = weight
+    if num_panels * 64 != out_features:
+        padded = torch.zeros(num_panels * 64, in_features, dtype=weight.dtype)
+        padded[:out_features] = weight
+    return padded.view(num_panels, 64, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+class Linear:
+    """y = x W^T (+ b) for x [num_rows, in_features]. Where the weights are kept:
+    - "panels": bfloat16 on a CPU with AVX-512 BF16, packed for sssd._kernels.linear_bf16;
+    - "onednn": prepacked for oneDNN (CPU, float32 or bfloat16);
+    - "plain": as given, for `F.linear`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> None:
         # weight: [out_features, in_features]
         self.bias = None if bias is None else bias.contiguous()
-        self.packed = pack
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) \
-            if pack else weight
+        self.layout = layout
+        self.out_features, self.in_features = weight.shape
+        if layout == "panels":
+            if weight.dtype != torch.bfloat16 or self.in_features % 2:
+                raise ValueError(f"panels need a bfloat16 weight of an even width, got "
+                                 f"{weight.dtype} {tuple(weight.shape)}")
+            self.weight = pack_panels(weight.contiguous())
+        elif layout == "onednn":
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        elif layout == "plain":
+            self.weight = weight
+        else:
+            raise ValueError(f"unknown weight layout {layout!r}")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
+        if self.layout == "panels":
+            x = x.contiguous()
+            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+            _kernels.linear_bf16(x.data_ptr(), self.weight.data_ptr(),
+                                 0 if self.bias is None else self.bias.data_ptr(),
+                                 out.data_ptr(), x.shape[0], self.in_features, self.out_features)
+            return out
+        if self.layout == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -137,11 +177,13 @@ class Decoder:
     """The forward pass of a Llama or Qwen2 causal LM over the slot KV cache."""
 
     def __init__(self, model: torch.nn.Module, pack: bool | None = None,
-                 fused: bool | None = None) -> None:
+                 fused: bool | None = None, panels: bool | None = None) -> None:
         """`model`: a transformers LlamaForCausalLM or Qwen2ForCausalLM (UnsupportedModel
         otherwise); its weights are shared, or copied into prepacked form when `pack` (default:
-        where oneDNN can run them). `fused`: the layer's small operations by sssd._kernels
-        (default: on the CPU, in float32 or bfloat16)."""
+        where oneDNN can run them). `panels`: a packed bfloat16 model's products by
+        sssd._kernels.linear_bf16 rather than oneDNN (default: where the CPU has AVX-512 BF16).
+        `fused`: the layer's small operations by sssd._kernels (default: on the CPU, in float32
+        or bfloat16)."""
         self.check(model)
         config = model.config
         inner = model.model
@@ -149,6 +191,17 @@ class Decoder:
         self.dtype, self.device = weight.dtype, weight.device
         pack = _oneDNN_usable(self.dtype, self.device) if pack is None else pack
         self.pack = pack
+        even = config.hidden_size % 2 == 0 and \
+            inner.layers[0].mlp.gate_proj.weight.shape[0] % 2 == 0
+        if panels is None:
+            panels = pack and even and _panels_usable(self.dtype, self.device)
+        elif panels and not (even and _panels_usable(self.dtype, self.device)):
+            raise ValueError("the bfloat16 panels need a bfloat16 model of even widths on a CPU "
+                             "with AVX-512 BF16")
+        self.layout = "panels" if panels else "onednn" if pack else "plain"
+        # oneDNN's products run on at least MIN_PRODUCT_ROWS rows (see _layers_fused)
+        self.min_rows = MIN_PRODUCT_ROWS if self.layout == "onednn" else 1
+        layout = self.layout
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or \
@@ -162,15 +215,15 @@ class Decoder:
             qkv = (attention.q_proj, attention.k_proj, attention.v_proj)
             self.layers.append(_Layer(
                 input_norm=layer.input_layernorm.weight,
-                qkv=Linear(torch.cat([m.weight for m in qkv]), _cat_bias(*qkv), pack),
-                o=Linear(attention.o_proj.weight, attention.o_proj.bias, pack),
+                qkv=Linear(torch.cat([m.weight for m in qkv]), _cat_bias(*qkv), layout),
+                o=Linear(attention.o_proj.weight, attention.o_proj.bias, layout),
                 post_norm=layer.post_attention_layernorm.weight,
                 gate_up=Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                               _cat_bias(mlp.gate_proj, mlp.up_proj), pack),
-                down=Linear(mlp.down_proj.weight, mlp.down_proj.bias, pack)))
+                               _cat_bias(mlp.gate_proj, mlp.up_proj), layout),
+                down=Linear(mlp.down_proj.weight, mlp.down_proj.bias, layout)))
         self.norm = inner.norm.weight
         head = model.get_output_embeddings()
-        self.lm_head = Linear(head.weight, head.bias, pack)
+        self.lm_head = Linear(head.weight, head.bias, layout)
         self.vocab_size = head.weight.shape[0]
         self.intermediate_size = inner.layers[0].mlp.gate_proj.weight.shape[0]
         self.scale = self.head_dim ** -0.5
@@ -253,8 +306,8 @@ class Decoder:
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """The output head over normed rows x [num_rows, hidden_size]: [num_rows, vocab]."""
         num_rows = x.shape[0]
-        if self.pack and num_rows < MIN_PRODUCT_ROWS:
-            x = torch.cat([x, x[-1:].expand(MIN_PRODUCT_ROWS - num_rows, -1)])
+        if num_rows < self.min_rows:
+            x = torch.cat([x, x[-1:].expand(self.min_rows - num_rows, -1)])
         return self.lm_head(x)[:num_rows]
 
     def rotary_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,14 +357,15 @@ class Decoder:
     def _layers_fused(self, segments: Sequence[Segment], cache: SlotKVCache) -> torch.Tensor:
         """Every layer with sssd._kernels between the matrix products, the segments' tokens
         one after another as the rows of every product; returns the final norm of the hidden
-        states [max(num_tokens, MIN_PRODUCT_ROWS), hidden_size] (the first num_tokens rows are
+        states [max(num_tokens, self.min_rows), hidden_size] (the first num_tokens rows are
         the segments', in order).
 
-        oneDNN computes a row of a product the same way whatever the number of rows, from two
-        rows up; a single row goes through a matrix-vector kernel that rounds differently. So a
-        step of fewer than MIN_PRODUCT_ROWS tokens runs its products on that many rows (its last
-        token repeated: the weights are read once either way, and faster with 4 rows than with
-        1 or 2), and with the attention kernel's result depending only on the keys a node sees,
+        The bfloat16 panels compute a row of a product the same way whatever the rows beside
+        it. oneDNN does too from two rows up; a single row goes through a matrix-vector kernel
+        that rounds differently. So with oneDNN a step of fewer than MIN_PRODUCT_ROWS tokens
+        runs its products on that many rows (its last token repeated: the weights are read once
+        either way, and faster with 4 rows than with 1 or 2). Either way, with the attention
+        kernel's result depending only on the keys a node sees,
         a sequence's logits do not depend on the other sequences in the batch nor on the draft
         tree around a node: plain and speculative decoding give the same tokens in bfloat16
         too, at every batch size, and a prompt prefilled beside verification rows gets the
@@ -331,7 +385,7 @@ class Decoder:
         ids = torch.cat([s.batch.input_ids.reshape(-1) for s in segments]) \
             if len(segments) > 1 else segments[0].batch.input_ids.reshape(-1)
         num_tokens = ids.shape[0]
-        num_rows = max(num_tokens, MIN_PRODUCT_ROWS) if self.pack else num_tokens
+        num_rows = max(num_tokens, self.min_rows)
         if num_rows > num_tokens:
             ids = torch.cat([ids, ids[-1:].expand(num_rows - num_tokens)])
         x = F.embedding(ids, self.embed)  # [num_rows, hidden_size]

@@ -1,8 +1,9 @@
 """bfloat16 verification whose per-row result does not depend on the rows beside it.
 
 The verifier's own forward pass (model_impl "sssd", the default) is built for it: its attention
-kernel sums over exactly the keys a node sees, and its matrix products never run on one row
-(oneDNN rounds a row the same way for any number of rows from two up). So in bfloat16, plain and
+kernel sums over exactly the keys a node sees, and its matrix products compute a row alike
+whatever the rows beside it (the bfloat16 panels of sssd._kernels.linear_bf16 by construction;
+oneDNN from two rows up, so its products never run on one row). So in bfloat16, plain and
 speculative greedy decoding give the same tokens at every batch size. The tests check the
 premise on this CPU first and skip, with the reason, where it does not hold.
 
@@ -39,20 +40,26 @@ def bf16_matmul_is_row_invariant() -> bool:
 
 
 def packed_bf16_products_are_row_invariant() -> bool:
-    """The decoder's prepacked products, every projection shape of the default model, from two
-    rows up, on several inputs."""
-    from sssd.verifier.engine.decoder import Linear, _oneDNN_usable
+    """The decoder's bfloat16 products as it runs them here (the panels where the CPU has
+    AVX-512 BF16, from one row up; else oneDNN, from two rows up), every projection shape of the
+    default model, on several inputs."""
+    from sssd.verifier.engine.decoder import Linear, _oneDNN_usable, _panels_usable
 
-    if not _oneDNN_usable(torch.bfloat16, torch.device("cpu")):
+    cpu = torch.device("cpu")
+    if _panels_usable(torch.bfloat16, cpu):
+        layout, fewest = "panels", 1
+    elif _oneDNN_usable(torch.bfloat16, cpu):
+        layout, fewest = "onednn", 2
+    else:
         return False
     generator = torch.Generator().manual_seed(0)
     for features, outputs in ((576, 1728), (576, 3072), (1536, 576), (576, 576)):
         linear = Linear(torch.randn(outputs, features, generator=generator).bfloat16(), None,
-                        pack=True)
+                        layout)
         for _ in range(10):
             rows = (3 * torch.randn(48, features, generator=generator)).bfloat16()
-            pair = linear(rows[:2])[0]
-            if not all(torch.equal(linear(rows[:m])[0], pair) for m in (3, 8, 17, 48)):
+            first = linear(rows[:fewest])[0]
+            if not all(torch.equal(linear(rows[:m])[0], first) for m in (3, 8, 17, 48)):
                 return False
     return True
 

@@ -31,6 +31,13 @@ NB_MODULE(_kernels, m) {
   m.def("set_portable", &k::set_portable, "portable"_a,
         "Turns the AVX-512 attention off (True) or back on; returns the previous setting.");
   m.def("num_threads", &k::num_threads, "OpenMP threads of the parallel loops.");
+  m.def("has_avx512_bf16", &k::has_avx512_bf16);
+  m.def("packed_bf16_panels", &k::packed_bf16_panels, "out_features"_a);
+  m.def("linear_bf16", [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out,
+                          int64_t rows, int64_t in_features, int64_t out_features) {
+    k::linear_bf16(ptr(x), ptr(packed), bias == 0 ? nullptr : ptr(bias), ptr(out), rows,
+                   in_features, out_features);
+  }, nb::call_guard<nb::gil_scoped_release>());
   m.def("rms_norm", [](uintptr_t x, uintptr_t w, uintptr_t out, int64_t rows, int64_t dim,
                        float eps, int32_t dtype) {
     k::rms_norm(ptr(x), ptr(w), ptr(out), rows, dim, eps, dtype_of(dtype));

@@ -72,4 +72,18 @@ void attention(const void* q, const void* key_cache, const void* value_cache,
                int64_t first_slot, int64_t num_seqs, int64_t num_nodes, int64_t heads,
                int64_t kv_heads, int64_t head_dim, int64_t capacity, float scale, Dtype dtype);
 
+// True when this CPU has AVX-512 with its bfloat16 instructions (linear_bf16 runs there only).
+bool has_avx512_bf16();
+
+// The panels of linear_bf16's packed weights for `out_features` outputs (64 outputs a panel).
+int64_t packed_bf16_panels(int64_t out_features);
+
+// out = round(x W^T (+ bias)) in bfloat16, the sums in float32 (linear_bf16.cc).
+//   x [rows, in_features], in_features even; out [rows, out_features]; bias [out_features] or
+//   null; packed: W [out_features, in_features] as packed_bf16_panels(out_features) panels of
+//   [in_features / 2][64][2] (output n = 64 p + i, inputs (2 t, 2 t + 1) at [p][t][i][0..1]),
+//   the last panel's missing outputs zero. A row's result does not depend on the other rows.
+void linear_bf16(const void* x, const void* packed, const void* bias, void* out, int64_t rows,
+                 int64_t in_features, int64_t out_features);
+
 }  // namespace sssd::kernels

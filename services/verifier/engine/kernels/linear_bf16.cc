@@ -1,0 +1,140 @@
+// The bfloat16 matrix product of the verifier's decode steps: y = x W^T (+ b) for a few rows of
+// x, with AVX-512 BF16's dot-product instruction (VDPBF16PS), reading the weights at the speed
+// of memory.
+//
+// A decode step of a 1.5B model on a CPU is as long as it takes to read its weights once; the
+// library kernels read them at 33-42 GB/s on 4 rows and slower on 1 or 2, and they round a row
+// differently with the number of rows beside it. Here the weights are laid out so that a step
+// reads them as one stream, and each output is one sum in a fixed order:
+//
+// - the weight matrix [out_features, in_features] is prepacked in panels of 64 outputs (the
+//   last panel padded with zeros): panel p is [in_features / 2][64][2], for each pair of inputs
+//   (k, k + 1) the 64 outputs' two weights side by side; one pair of inputs of a panel is four
+//   512-bit vectors, and a panel is read front to back;
+// - for a row of x, the pair (x[k], x[k + 1]) is broadcast to every lane, and VDPBF16PS adds
+//   x[k] w[n][k] + x[k + 1] w[n][k + 1] to output n's float32 sum, pair after pair in order;
+// - rows are taken six at a time against the same weight vectors (the vectors come from memory
+//   once per six rows), and inputs in blocks of 512 pairs (64 KB of a panel, which stays in the
+//   core's cache while further rows reuse it);
+// - output n of row m is then round(sum (+ b[n])) to bfloat16, to nearest even.
+//
+// So a row's result is the same bits whatever the number of rows, the row's position among them,
+// the blocking or the number of threads: plain decoding and the verification of a draft tree
+// compute a token's logits identically. Panels are split between the OpenMP threads.
+//
+// Compiled with -mavx512f -mavx512bf16 (CMakeLists.txt); called only on CPUs that have both
+// (has_avx512_bf16); elsewhere the decoder keeps oneDNN's products.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "fused_ops.h"
+
+namespace sssd::kernels {
+namespace {
+
+constexpr int64_t kPanel = 64;        // outputs per panel: four vectors of 16 float32 sums
+constexpr int64_t kRowTile = 6;       // rows sharing each weight vector read
+constexpr int64_t kPairBlock = 512;   // input pairs per block (64 KB of a panel)
+#ifndef PF
+#define PF 0
+#endif
+constexpr int64_t kPrefetch = PF;
+
+// Adds pairs [pair_begin, pair_end) of a panel to the sums of `R` rows.
+//   x: the first row's inputs as 32-bit pairs, rows `x_stride` pairs apart;
+//   panel: the panel's weights, 4 vectors per pair; sums: [R][64] float32, loaded and stored.
+template <int R>
+void add_pairs(const uint32_t* x, int64_t x_stride, const __m512i* panel, int64_t pair_begin,
+               int64_t pair_end, float* sums, bool first) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) {
+      acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + r * kPanel + 16 * j);
+    }
+  }
+  for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
+    const __m512i* w = panel + 4 * pair;
+    if (kPrefetch > 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + 4 * kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + 4 * kPrefetch + 1), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + 4 * kPrefetch + 2), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + 4 * kPrefetch + 3), _MM_HINT_T0);
+    }
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 1);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 2);
+    const __m512bh w3 = (__m512bh)_mm512_loadu_si512(w + 3);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xr = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * x_stride + pair]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xr, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xr, w1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xr, w2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xr, w3);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(sums + r * kPanel + 16 * j, acc[r][j]);
+  }
+}
+
+using AddPairs = void (*)(const uint32_t*, int64_t, const __m512i*, int64_t, int64_t, float*,
+                          bool);
+constexpr AddPairs kAddPairs[kRowTile + 1] = {
+    nullptr, add_pairs<1>, add_pairs<2>, add_pairs<3>, add_pairs<4>, add_pairs<5>, add_pairs<6>};
+
+}  // namespace
+
+bool has_avx512_bf16() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+}
+
+int64_t packed_bf16_panels(int64_t out_features) { return (out_features + kPanel - 1) / kPanel; }
+
+void linear_bf16(const void* x, const void* packed, const void* bias, void* out, int64_t rows,
+                 int64_t in_features, int64_t out_features) {
+  const int64_t num_pairs = in_features / 2;
+  const int64_t num_panels = packed_bf16_panels(out_features);
+  const auto* x_pairs = static_cast<const uint32_t*>(x);
+  const auto* weights = static_cast<const __m512i*>(packed);
+  const auto* bias_bits = static_cast<const uint16_t*>(bias);
+  auto* y = static_cast<uint16_t*>(out);
+#pragma omp parallel
+  {
+    std::vector<float> sums(static_cast<size_t>(rows * kPanel));
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < num_panels; ++p) {
+      const __m512i* panel = weights + p * num_pairs * 4;
+      for (int64_t begin = 0; begin < num_pairs; begin += kPairBlock) {
+        const int64_t end = std::min(begin + kPairBlock, num_pairs);
+        for (int64_t r = 0; r < rows; r += kRowTile) {
+          const int64_t tile = std::min(kRowTile, rows - r);
+          kAddPairs[tile](x_pairs + r * num_pairs, num_pairs, panel, begin, end,
+                          sums.data() + r * kPanel, begin == 0);
+        }
+      }
+      const int64_t first = p * kPanel;
+      const int64_t width = std::min(kPanel, out_features - first);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* s = sums.data() + r * kPanel;
+        uint16_t* row_out = y + r * out_features + first;
+        for (int64_t j = 0; j < width; j += 16) {
+          const int64_t lanes = std::min<int64_t>(16, width - j);
+          const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
+          __m512 value = _mm512_loadu_ps(s + j);
+          if (bias_bits != nullptr) {
+            const __m256i b = _mm256_maskz_loadu_epi16(mask, bias_bits + first + j);
+            value = _mm512_add_ps(value, _mm512_castsi512_ps(
+                                             _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+          }
+          const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(value);
+          _mm256_mask_storeu_epi16(row_out + j, mask, rounded);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace sssd::kernels

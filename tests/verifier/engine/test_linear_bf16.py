@@ -1,0 +1,72 @@
+"""The bfloat16 panels' matrix product (sssd._kernels.linear_bf16): the same bits as the sums it
+specifies, in its order, and a row's result independent of the rows beside it."""
+
+import numpy as np
+import pytest
+import torch
+
+from sssd import _kernels
+from sssd.verifier.engine.decoder import Linear, pack_panels
+
+pytestmark = pytest.mark.skipif(not _kernels.has_avx512_bf16(),
+                                reason="this CPU has no AVX-512 BF16: the decoder uses oneDNN")
+
+
+def specified(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """out[m, n] in float32, as VDPBF16PS sums it: for each pair of inputs (2t, 2t + 1) in
+    order, the odd product added, then the even one (each product exact in float32), then the
+    bias; rounded to bfloat16 to nearest even."""
+    xs, ws = x.float().numpy(), weight.float().numpy()
+    sums = np.zeros((x.shape[0], weight.shape[0]), np.float32)
+    for t in range(x.shape[1] // 2):
+        for k in (2 * t + 1, 2 * t):
+            sums = sums + np.outer(xs[:, k], ws[:, k]).astype(np.float32)
+    if bias is not None:
+        sums = sums + bias.float().numpy()
+    return torch.from_numpy(sums).bfloat16()
+
+
+@pytest.mark.parametrize("rows,features,outputs,with_bias", [
+    (1, 96, 64, False),   # one row, one full panel
+    (7, 1100, 130, True),  # a row tile and a remainder, three input blocks, a padded panel
+    (13, 64, 70, True),
+])
+def test_every_bit_is_the_specified_sum(rows, features, outputs, with_bias):
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, features, generator=generator).bfloat16()
+    weight = torch.randn(outputs, features, generator=generator).bfloat16()
+    bias = torch.randn(outputs, generator=generator).bfloat16() if with_bias else None
+    got = Linear(weight, bias, "panels")(x)
+    assert got.shape == (rows, outputs) and got.dtype == torch.bfloat16
+    assert torch.equal(got, specified(x, weight, bias))
+    # and the same product as PyTorch's, up to bfloat16 rounding of a differently ordered sum
+    torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, weight, bias).float(),
+                               rtol=2e-2, atol=0.5)
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(200, 1536, generator=generator).bfloat16()
+    linear = Linear(weight, None, "panels")
+    x = (3 * torch.randn(40, 1536, generator=generator)).bfloat16()
+    alone = torch.cat([linear(x[m:m + 1]) for m in range(40)])
+    for count in (2, 5, 6, 7, 12, 40):
+        assert torch.equal(linear(x[:count]), alone[:count]), count
+    assert torch.equal(linear(x.flip(0)), alone.flip(0))
+
+
+def test_the_packing_puts_each_pair_of_weights_of_a_panel_side_by_side():
+    weight = torch.arange(70 * 4).view(70, 4).bfloat16()  # exact small integers
+    packed = pack_panels(weight)
+    assert packed.shape == (2, 2, 64, 2)
+    assert torch.equal(packed[1, 1, 3], weight[64 + 3, 2:4])
+    assert torch.equal(packed[1, :, 6:], torch.zeros(2, 58, 2, dtype=torch.bfloat16))
+
+
+def test_weights_it_cannot_hold_are_refused():
+    with pytest.raises(ValueError, match="even width"):
+        Linear(torch.zeros(8, 5, dtype=torch.bfloat16), None, "panels")
+    with pytest.raises(ValueError, match="bfloat16"):
+        Linear(torch.zeros(8, 4), None, "panels")
+    with pytest.raises(ValueError, match="layout"):
+        Linear(torch.zeros(8, 4), None, "blocked")
