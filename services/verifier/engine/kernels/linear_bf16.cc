@@ -38,10 +38,6 @@ namespace {
 constexpr int64_t kPanel = 64;        // outputs per panel: four vectors of 16 float32 sums
 constexpr int64_t kRowTile = 6;       // rows sharing each weight vector read
 constexpr int64_t kPairBlock = 512;   // input pairs per block (64 KB of a panel)
-#ifndef PF
-#define PF 0
-#endif
-constexpr int64_t kPrefetch = PF;
 
 // Adds pairs [pair_begin, pair_end) of a panel to the sums of `R` rows.
 //   x: the first row's inputs as 32-bit pairs, rows `x_stride` pairs apart;
@@ -57,12 +53,6 @@ void add_pairs(const uint32_t* x, int64_t x_stride, const __m512i* panel, int64_
   }
   for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
     const __m512i* w = panel + 4 * pair;
-    if (kPrefetch > 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + 4 * kPrefetch), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + 4 * kPrefetch + 1), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + 4 * kPrefetch + 2), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + 4 * kPrefetch + 3), _MM_HINT_T0);
-    }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 1);
     const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 2);
