@@ -12,9 +12,9 @@ with the SSSD drafter (linear drafts).
 Systems, each run in a fresh process, one at a time, taking turns cell by cell (model, dtype,
 batch size), so that all of them see the same machine:
 - engine: this project's engine without speculation (model_impl auto: its own forward pass);
-- engine-onednn: the same with oneDNN's matrix products where the engine would use its
-  bfloat16 panels (sssd._kernels.linear_bf16; bfloat16 on CPUs with AVX-512 BF16): the engine
-  before them. Skipped in float32 cells, where both are the same;
+- engine-onednn: the same with oneDNN's matrix products where the engine would use its own
+  panels (sssd._kernels.linear_bf16 and linear_f32, on CPUs with AVX-512): the engine before
+  them;
 - engine-transformers: the same engine over the transformers forward (model_impl
   transformers; the engine before its own forward pass);
 - generate: transformers' `generate`, greedy, `batch size` prompts at a time, left-padded;
@@ -306,8 +306,6 @@ def main(argv: list[str] | None = None) -> None:
                     runs: dict[str, list[dict]] = {}
                     for _ in range(args.repeats):  # systems take turns within a repeat
                         for system in systems + model_speculative:
-                            if system == "engine-onednn" and dtype != "bfloat16":
-                                continue  # no panels in float32: the same as "engine"
                             runs.setdefault(system, []).append(
                                 run_system(args, system, cell, work, prompts_file, extra))
                     for row in summarize(cell, runs, bandwidth):

@@ -7,9 +7,10 @@ the transformers modules, and a plain `linear` streams the weights at a fraction
 bandwidth. Here each layer is a handful of tensor operations on weights prepared once:
 - query, key and value projections fused into one matrix, gate and up projections into another,
   so a layer makes four matrix products;
-- on CPUs with AVX-512 BF16, a bfloat16 model's products by sssd._kernels.linear_bf16, on
-  weights packed in panels that a step reads as one stream: near the machine's read bandwidth
-  from one row to eight, and a row's result independent of the rows beside it;
+- on CPUs with AVX-512 (and its BF16 instructions for a bfloat16 model), the products by
+  sssd._kernels (linear_bf16, linear_f32), on weights packed in panels that a step reads as one
+  stream: near the machine's read bandwidth from one row to eight, and a row's result
+  independent of the rows beside it;
 - elsewhere on CPUs with oneDNN, every weight prepacked in its blocked layout, which reads the
   weights at about twice the bandwidth of a plain `linear` and keeps a step nearly flat up to
   8-16 rows;
@@ -67,24 +68,32 @@ def _oneDNN_usable(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def _panels_usable(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and _kernels.has_avx512_bf16()
+    if device.type != "cpu":
+        return False
+    if dtype == torch.bfloat16:
+        return _kernels.has_avx512_bf16()
+    return dtype == torch.float32 and _kernels.has_avx512_fma()
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out_features, in_features] in bfloat16 as linear_bf16's panels: [num_panels,
-    in_features / 2, 64, 2], the last panel's missing outputs zero."""
+    """weight [out_features, in_features] as the panels of 64 outputs of sssd._kernels'
+    products, the last panel's missing outputs zero: bfloat16 (linear_bf16) [num_panels,
+    in_features / 2, 64, 2], float32 (linear_f32) [num_panels, in_features, 64]."""
     out_features, in_features = weight.shape
     num_panels = _kernels.packed_bf16_panels(out_features)
     padded = weight
     if num_panels * 64 != out_features:
         padded = torch.zeros(num_panels * 64, in_features, dtype=weight.dtype)
         padded[:out_features] = weight
+    if weight.dtype == torch.float32:
+        return padded.view(num_panels, 64, in_features).transpose(1, 2).contiguous()
     return padded.view(num_panels, 64, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 class Linear:
     """y = x W^T (+ b) for x [num_rows, in_features]. Where the weights are kept:
-    - "panels": bfloat16 on a CPU with AVX-512 BF16, packed for sssd._kernels.linear_bf16;
+    - "panels": packed for sssd._kernels.linear_bf16 (bfloat16, on a CPU with AVX-512 BF16) or
+      linear_f32 (float32, AVX-512);
     - "onednn": prepacked for oneDNN (CPU, float32 or bfloat16);
     - "plain": as given, for `F.linear`."""
 
@@ -94,9 +103,9 @@ class Linear:
         self.layout = layout
         self.out_features, self.in_features = weight.shape
         if layout == "panels":
-            if weight.dtype != torch.bfloat16 or self.in_features % 2:
-                raise ValueError(f"panels need a bfloat16 weight of an even width, got "
-                                 f"{weight.dtype} {tuple(weight.shape)}")
+            if weight.dtype not in (torch.bfloat16, torch.float32) or self.in_features % 2:
+                raise ValueError(f"panels need a bfloat16 or float32 weight of an even width, "
+                                 f"got {weight.dtype} {tuple(weight.shape)}")
             self.weight = pack_panels(weight.contiguous())
         elif layout == "onednn":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
@@ -109,7 +118,8 @@ class Linear:
         if self.layout == "panels":
             x = x.contiguous()
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-            _kernels.linear_bf16(x.data_ptr(), self.weight.data_ptr(),
+            product = _kernels.linear_f32 if x.dtype == torch.float32 else _kernels.linear_bf16
+            product(x.data_ptr(), self.weight.data_ptr(),
                                  0 if self.bias is None else self.bias.data_ptr(),
                                  out.data_ptr(), x.shape[0], self.in_features, self.out_features)
             return out
@@ -180,8 +190,9 @@ class Decoder:
                  fused: bool | None = None, panels: bool | None = None) -> None:
         """`model`: a transformers LlamaForCausalLM or Qwen2ForCausalLM (UnsupportedModel
         otherwise); its weights are shared, or copied into prepacked form when `pack` (default:
-        where oneDNN can run them). `panels`: a packed bfloat16 model's products by
-        sssd._kernels.linear_bf16 rather than oneDNN (default: where the CPU has AVX-512 BF16).
+        where oneDNN can run them). `panels`: a packed model's products by sssd._kernels
+        (linear_bf16, linear_f32) rather than oneDNN (default: where the CPU has AVX-512, with
+        its BF16 instructions for a bfloat16 model).
         `fused`: the layer's small operations by sssd._kernels (default: on the CPU, in float32
         or bfloat16)."""
         self.check(model)
@@ -196,8 +207,8 @@ class Decoder:
         if panels is None:
             panels = pack and even and _panels_usable(self.dtype, self.device)
         elif panels and not (even and _panels_usable(self.dtype, self.device)):
-            raise ValueError("the bfloat16 panels need a bfloat16 model of even widths on a CPU "
-                             "with AVX-512 BF16")
+            raise ValueError("the panels need a float32 or bfloat16 model of even widths on a "
+                             "CPU with AVX-512 (and AVX-512 BF16 for bfloat16)")
         self.layout = "panels" if panels else "onednn" if pack else "plain"
         # oneDNN's products run on at least MIN_PRODUCT_ROWS rows (see _layers_fused)
         self.min_rows = MIN_PRODUCT_ROWS if self.layout == "onednn" else 1
@@ -360,8 +371,7 @@ class Decoder:
         states [max(num_tokens, self.min_rows), hidden_size] (the first num_tokens rows are
         the segments', in order).
 
-        The bfloat16 panels compute a row of a product the same way whatever the rows beside
-        it. oneDNN does too from two rows up; a single row goes through a matrix-vector kernel
+        The panels compute a row of a product the same way whatever the rows beside it. oneDNN does too from two rows up; a single row goes through a matrix-vector kernel
         that rounds differently. So with oneDNN a step of fewer than MIN_PRODUCT_ROWS tokens
         runs its products on that many rows (its last token repeated: the weights are read once
         either way, and faster with 4 rows than with 1 or 2). Either way, with the attention

@@ -38,6 +38,13 @@ NB_MODULE(_kernels, m) {
     k::linear_bf16(ptr(x), ptr(packed), bias == 0 ? nullptr : ptr(bias), ptr(out), rows,
                    in_features, out_features);
   }, nb::call_guard<nb::gil_scoped_release>());
+  m.def("has_avx512_fma", &k::has_avx512_fma);
+  m.def("linear_f32", [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out,
+                         int64_t rows, int64_t in_features, int64_t out_features) {
+    k::linear_f32(static_cast<const float*>(ptr(x)), static_cast<const float*>(ptr(packed)),
+                  bias == 0 ? nullptr : static_cast<const float*>(ptr(bias)),
+                  static_cast<float*>(ptr(out)), rows, in_features, out_features);
+  }, nb::call_guard<nb::gil_scoped_release>());
   m.def("rms_norm", [](uintptr_t x, uintptr_t w, uintptr_t out, int64_t rows, int64_t dim,
                        float eps, int32_t dtype) {
     k::rms_norm(ptr(x), ptr(w), ptr(out), rows, dim, eps, dtype_of(dtype));

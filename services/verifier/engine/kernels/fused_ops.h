@@ -78,12 +78,22 @@ bool has_avx512_bf16();
 // The panels of linear_bf16's packed weights for `out_features` outputs (64 outputs a panel).
 int64_t packed_bf16_panels(int64_t out_features);
 
-// out = round(x W^T (+ bias)) in bfloat16, the sums in float32 (linear_bf16.cc).
+// out = round(x W^T (+ bias)) in bfloat16, the sums in float32 (linear_panels.cc).
 //   x [rows, in_features], in_features even; out [rows, out_features]; bias [out_features] or
 //   null; packed: W [out_features, in_features] as packed_bf16_panels(out_features) panels of
 //   [in_features / 2][64][2] (output n = 64 p + i, inputs (2 t, 2 t + 1) at [p][t][i][0..1]),
 //   the last panel's missing outputs zero. A row's result does not depend on the other rows.
 void linear_bf16(const void* x, const void* packed, const void* bias, void* out, int64_t rows,
                  int64_t in_features, int64_t out_features);
+
+// True when this CPU has AVX-512 (linear_f32 runs there only).
+bool has_avx512_fma();
+
+// out = x W^T (+ bias) in float32, one fused multiply-add per input in order, the bias added
+// last. packed: W as packed_bf16_panels(out_features) panels of [in_features][64] float32
+// (output n = 64 p + i, input k at [p][k][i]), the last panel's missing outputs zero. A row's
+// result does not depend on the other rows.
+void linear_f32(const float* x, const float* packed, const float* bias, float* out,
+                int64_t rows, int64_t in_features, int64_t out_features);
 
 }  // namespace sssd::kernels

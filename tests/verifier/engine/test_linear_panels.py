@@ -1,5 +1,6 @@
-"""The bfloat16 panels' matrix product (sssd._kernels.linear_bf16): the same bits as the sums it
-specifies, in its order, and a row's result independent of the rows beside it."""
+"""The panels' matrix products (sssd._kernels.linear_bf16, linear_f32): bfloat16 gives the same
+bits as the sums it specifies, in its order; float32 the product to rounding; in both a row's
+result does not depend on the rows beside it."""
 
 import numpy as np
 import pytest
@@ -9,7 +10,8 @@ from sssd import _kernels
 from sssd.verifier.engine.decoder import Linear, pack_panels
 
 pytestmark = pytest.mark.skipif(not _kernels.has_avx512_bf16(),
-                                reason="this CPU has no AVX-512 BF16: the decoder uses oneDNN")
+                                reason="this CPU has no AVX-512 BF16: the decoder uses oneDNN "
+                                "in bfloat16")
 
 
 def specified(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -44,11 +46,26 @@ def test_every_bit_is_the_specified_sum(rows, features, outputs, with_bias):
                                rtol=2e-2, atol=0.5)
 
 
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+@pytest.mark.parametrize("rows,features,outputs,with_bias", [
+    (1, 96, 64, False), (7, 2100, 130, True), (13, 64, 70, True)])
+def test_float32_is_the_product_to_rounding(rows, features, outputs, with_bias):
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, features, generator=generator)
+    weight = torch.randn(outputs, features, generator=generator)
+    bias = torch.randn(outputs, generator=generator) if with_bias else None
+    got = Linear(weight, bias, "panels")(x)
+    assert got.shape == (rows, outputs) and got.dtype == torch.float32
+    exact = torch.nn.functional.linear(x.double(), weight.double(),
+                                       None if bias is None else bias.double())
+    torch.testing.assert_close(got.double(), exact, rtol=0, atol=1e-5 * features ** 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(200, 1536, generator=generator).bfloat16()
+    weight = torch.randn(200, 1536, generator=generator).to(dtype)
     linear = Linear(weight, None, "panels")
-    x = (3 * torch.randn(40, 1536, generator=generator)).bfloat16()
+    x = (3 * torch.randn(40, 1536, generator=generator)).to(dtype)
     alone = torch.cat([linear(x[m:m + 1]) for m in range(40)])
     for count in (2, 5, 6, 7, 12, 40):
         assert torch.equal(linear(x[:count]), alone[:count]), count
@@ -61,12 +78,15 @@ def test_the_packing_puts_each_pair_of_weights_of_a_panel_side_by_side():
     assert packed.shape == (2, 2, 64, 2)
     assert torch.equal(packed[1, 1, 3], weight[64 + 3, 2:4])
     assert torch.equal(packed[1, :, 6:], torch.zeros(2, 58, 2, dtype=torch.bfloat16))
+    packed = pack_panels(weight.float())
+    assert packed.shape == (2, 4, 64)
+    assert torch.equal(packed[1, 2, 3], weight[64 + 3, 2].float())
 
 
 def test_weights_it_cannot_hold_are_refused():
     with pytest.raises(ValueError, match="even width"):
         Linear(torch.zeros(8, 5, dtype=torch.bfloat16), None, "panels")
-    with pytest.raises(ValueError, match="bfloat16"):
-        Linear(torch.zeros(8, 4), None, "panels")
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        Linear(torch.zeros(8, 4, dtype=torch.float16), None, "panels")
     with pytest.raises(ValueError, match="layout"):
         Linear(torch.zeros(8, 4), None, "blocked")

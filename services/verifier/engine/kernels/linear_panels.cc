@@ -1,6 +1,6 @@
-// The bfloat16 matrix product of the verifier's decode steps: y = x W^T (+ b) for a few rows of
-// x, with AVX-512 BF16's dot-product instruction (VDPBF16PS), reading the weights at the speed
-// of memory.
+// The matrix products of the verifier's decode steps: y = x W^T (+ b) for a few rows of x,
+// bfloat16 with AVX-512 BF16's dot-product instruction (VDPBF16PS) and float32 with fused
+// multiply-adds, reading the weights at the speed of memory.
 //
 // A decode step of a 1.5B model on a CPU is as long as it takes to read its weights once; the
 // library kernels read them at 33-42 GB/s on 4 rows and slower on 1 or 2, and they round a row
@@ -22,8 +22,11 @@
 // the blocking or the number of threads: plain decoding and the verification of a draft tree
 // compute a token's logits identically. Panels are split between the OpenMP threads.
 //
-// Compiled with -mavx512f -mavx512bf16 (CMakeLists.txt); called only on CPUs that have both
-// (has_avx512_bf16); elsewhere the decoder keeps oneDNN's products.
+// linear_f32 is the same for a float32 model: panels of [in_features][64] float32, one fused
+// multiply-add per input in order.
+//
+// Compiled with -mavx512f -mavx512bf16 (CMakeLists.txt); called only on CPUs that have them
+// (has_avx512_bf16, has_avx512_fma); elsewhere the decoder keeps oneDNN's products.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -75,6 +78,41 @@ using AddPairs = void (*)(const uint32_t*, int64_t, const __m512i*, int64_t, int
 constexpr AddPairs kAddPairs[kRowTile + 1] = {
     nullptr, add_pairs<1>, add_pairs<2>, add_pairs<3>, add_pairs<4>, add_pairs<5>, add_pairs<6>};
 
+// The float32 counterpart: adds inputs [begin, end) of a panel of [in_features][64] float32
+// weights to the sums of `R` rows, one fused multiply-add per input, in order.
+template <int R>
+void add_inputs(const float* x, int64_t x_stride, const float* panel, int64_t begin,
+                int64_t end, float* sums, bool first) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) {
+      acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + r * kPanel + 16 * j);
+    }
+  }
+  for (int64_t k = begin; k < end; ++k) {
+    const float* w = panel + kPanel * k;
+    const __m512 w0 = _mm512_loadu_ps(w);
+    const __m512 w1 = _mm512_loadu_ps(w + 16);
+    const __m512 w2 = _mm512_loadu_ps(w + 32);
+    const __m512 w3 = _mm512_loadu_ps(w + 48);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xr = _mm512_set1_ps(x[r * x_stride + k]);
+      acc[r][0] = _mm512_fmadd_ps(xr, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xr, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(xr, w2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(xr, w3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(sums + r * kPanel + 16 * j, acc[r][j]);
+  }
+}
+
+using AddInputs = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, bool);
+constexpr AddInputs kAddInputs[kRowTile + 1] = {
+    nullptr, add_inputs<1>, add_inputs<2>, add_inputs<3>, add_inputs<4>, add_inputs<5>,
+    add_inputs<6>};
+
 }  // namespace
 
 bool has_avx512_bf16() {
@@ -121,6 +159,39 @@ void linear_bf16(const void* x, const void* packed, const void* bias, void* out,
           }
           const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(value);
           _mm256_mask_storeu_epi16(row_out + j, mask, rounded);
+        }
+      }
+    }
+  }
+}
+
+bool has_avx512_fma() { return __builtin_cpu_supports("avx512f"); }
+
+void linear_f32(const float* x, const float* packed, const float* bias, float* out,
+                int64_t rows, int64_t in_features, int64_t out_features) {
+  const int64_t num_panels = packed_bf16_panels(out_features);
+  const int64_t block = 2 * kPairBlock;  // inputs per block: 128 KB of a panel
+#pragma omp parallel
+  {
+    std::vector<float> sums(static_cast<size_t>(rows * kPanel));
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < num_panels; ++p) {
+      const float* panel = packed + p * in_features * kPanel;
+      for (int64_t begin = 0; begin < in_features; begin += block) {
+        const int64_t end = std::min(begin + block, in_features);
+        for (int64_t r = 0; r < rows; r += kRowTile) {
+          const int64_t tile = std::min(kRowTile, rows - r);
+          kAddInputs[tile](x + r * in_features, in_features, panel, begin, end,
+                           sums.data() + r * kPanel, begin == 0);
+        }
+      }
+      const int64_t first = p * kPanel;
+      const int64_t width = std::min(kPanel, out_features - first);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* s = sums.data() + r * kPanel;
+        float* row_out = out + r * out_features + first;
+        for (int64_t j = 0; j < width; ++j) {
+          row_out[j] = bias != nullptr ? s[j] + bias[first + j] : s[j];
         }
       }
     }

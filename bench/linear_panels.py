@@ -1,0 +1,96 @@
+"""All of a decode step's matrix products, timed alone: the verifier's panels
+(sssd._kernels.linear_bf16 / linear_f32) against oneDNN's prepacked products, beside a plain read
+of as many bytes, in one process, taking turns.
+
+    .venv/bin/python bench/linear_panels.py [--model qwen-coder-1.5b] [--dtype bfloat16]
+        [--rows 1,2,4,8,16] [--rounds 5] [--out bench/results/linear-panels.jsonl]
+
+Random weights of the model's shapes (every layer's fused QKV, output, fused gate/up and down
+projections, then the output head); no model file is read. Each round runs every row count
+with both implementations, then the read (`max` over a buffer of the weights' size). One JSON
+line per (implementation, rows): the median milliseconds over the rounds and the bytes per
+second they mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# hidden, intermediate, query heads, key/value heads, head size, layers, vocabulary
+SHAPES = {
+    "qwen-coder-1.5b": (1536, 8960, 12, 2, 128, 28, 151936),
+    "qwen-coder-0.5b": (896, 4864, 14, 2, 64, 24, 151936),
+    "smollm2": (576, 1536, 9, 3, 64, 30, 49152),
+}
+
+
+def products(model: str) -> list[tuple[int, int]]:
+    """(out_features, in_features) of every product of a step, in order."""
+    hidden, inter, heads, kv_heads, head_dim, layers, vocab = SHAPES[model]
+    layer = [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim),
+             (2 * inter, hidden), (hidden, inter)]
+    return layer * layers + [(vocab, hidden)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen-coder-1.5b", choices=sorted(SHAPES))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--rows", default="1,2,4,8,16")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=None, help="also write the JSON lines here")
+    args = parser.parse_args(argv)
+
+    from sssd.verifier.engine.decoder import Linear, _panels_usable
+
+    dtype = getattr(torch, args.dtype)
+    if not _panels_usable(dtype, torch.device("cpu")):
+        raise SystemExit(f"this CPU cannot run the {args.dtype} panels (AVX-512"
+                         f"{' BF16' if dtype == torch.bfloat16 else ''} needed)")
+    shapes = products(args.model)
+    generator = torch.Generator().manual_seed(0)
+    layers = []
+    for out_features, in_features in shapes:
+        weight = (0.02 * torch.randn(out_features, in_features, generator=generator)).to(dtype)
+        layers.append((Linear(weight, None, "panels"), Linear(weight, None, "onednn")))
+        del weight
+    num_bytes = sum(o * i for o, i in shapes) * torch.finfo(dtype).bits // 8
+    read_buffer = torch.ones(num_bytes // torch.finfo(dtype).bits * 8, dtype=dtype)
+    print(f"{args.model} {args.dtype}: {len(shapes)} products, {num_bytes / 1e9:.2f} GB, "
+          f"{torch.get_num_threads()} threads", file=sys.stderr)
+    times: dict[tuple[str, int], list[float]] = {}
+    row_counts = [int(r) for r in args.rows.split(",")]
+    for _ in range(args.rounds):
+        for rows in row_counts:
+            inputs = {i: torch.randn(rows, i, generator=generator).to(dtype)
+                      for i in {i for _, i in shapes}}
+            for index, name in enumerate(("panels", "onednn")):
+                start = time.perf_counter()
+                for pair, (_, in_features) in zip(layers, shapes):
+                    pair[index](inputs[in_features])
+                times.setdefault((name, rows), []).append(time.perf_counter() - start)
+        start = time.perf_counter()
+        read_buffer.max()
+        times.setdefault(("read", 0), []).append(time.perf_counter() - start)
+    lines = []
+    for (name, rows), seconds in sorted(times.items()):
+        median = statistics.median(seconds)
+        lines.append(json.dumps({
+            "model": args.model, "dtype": args.dtype, "impl": name, "rows": rows,
+            "median_ms": round(1000 * median, 1), "gb_per_s": round(num_bytes / median / 1e9, 1),
+            "rounds": len(seconds)}))
+    print("\n".join(lines))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
