@@ -371,15 +371,15 @@ class Decoder:
         states [max(num_tokens, self.min_rows), hidden_size] (the first num_tokens rows are
         the segments', in order).
 
-        The panels compute a row of a product the same way whatever the rows beside it. oneDNN does too from two rows up; a single row goes through a matrix-vector kernel
-        that rounds differently. So with oneDNN a step of fewer than MIN_PRODUCT_ROWS tokens
-        runs its products on that many rows (its last token repeated: the weights are read once
-        either way, and faster with 4 rows than with 1 or 2). Either way, with the attention
-        kernel's result depending only on the keys a node sees,
-        a sequence's logits do not depend on the other sequences in the batch nor on the draft
-        tree around a node: plain and speculative decoding give the same tokens in bfloat16
-        too, at every batch size, and a prompt prefilled beside verification rows gets the
-        logits it gets alone."""
+        The panels compute a row of a product the same way whatever the rows beside it. oneDNN
+        does too from two rows up; a single row goes through a matrix-vector kernel that rounds
+        differently. So with oneDNN a step of fewer than MIN_PRODUCT_ROWS tokens runs its
+        products on that many rows (its last token repeated: the weights are read once either
+        way, and faster with 4 rows than with 1 or 2). Either way, with the attention kernel's
+        result depending only on the keys a node sees, a sequence's logits do not depend on the
+        other sequences in the batch nor on the draft tree around a node: plain and speculative
+        decoding give the same tokens in bfloat16 too, at every batch size, and a prompt
+        prefilled beside verification rows gets the logits it gets alone."""
         num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         code, eps, hidden, capacity = DTYPE_CODES[self.dtype], self.eps, self.hidden_size, \
             cache.capacity
