@@ -12,6 +12,8 @@ with the SSSD drafter (linear drafts).
 Systems, each run in a fresh process, one at a time, taking turns cell by cell (model, dtype,
 batch size), so that all of them see the same machine:
 - engine: this project's engine without speculation (model_impl auto: its own forward pass);
+- engine-avx512: the same with its AVX-512 panels (sssd._kernels.linear_bf16) where the engine
+  would multiply them on the AMX tile unit (bfloat16 on CPUs with AMX): the engine before it;
 - engine-onednn: the same with oneDNN's matrix products where the engine would use its own
   panels (sssd._kernels.linear_bf16 and linear_f32, on CPUs with AVX-512): the engine before
   them;
@@ -54,7 +56,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 RESULT = "engine-speed-result: "
-PLAIN = ("engine", "engine-onednn", "engine-transformers", "generate", "vllm")
+PLAIN = ("engine", "engine-avx512", "engine-onednn", "engine-transformers", "generate", "vllm")
 SPECULATIVE = ("engine-sssd", "vllm-sssd")
 PROPOSER = "sssd.vllm.proposer.VllmDrafterProposer"
 MODEL_NAMES = {"smollm2": None}  # None: the default model; others: sssd-models names
@@ -78,13 +80,13 @@ def model_file(name: str) -> str | None:
 
 def engine_worker(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     from sssd.common.model.loader import load_causal_lm
-    from sssd.verifier.engine import EngineConfig, EngineStats
+    from sssd.verifier.engine import EngineConfig, EngineStats, decoder
     from sssd.verifier.factory import build_engine
 
     if args.system == "engine-onednn":  # the decoder's products by oneDNN, as before the panels
-        from sssd.verifier.engine import decoder
-
         decoder._panels_usable = lambda dtype, device: False
+    if args.system == "engine-avx512":  # the AVX-512 panels, as before the AMX products
+        decoder._amx_usable = lambda dtype, device: False
     loaded = load_causal_lm(args.model_file, args.dtype)
     speculative = args.system == "engine-sssd"
     config = EngineConfig(
@@ -109,6 +111,7 @@ def engine_worker(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
         weights.pop(id(embedding))
     return {"seconds": seconds, "outputs": outputs, "impl": engine.runner.impl,
             "ms_per_step": 1000 * stats.verify_s / max(stats.num_steps, 1),
+            "products": engine.runner.products,
             "tokens_per_step": stats.mean_accepted_per_step if speculative else 1.0,
             "weight_bytes": sum(weights.values())}
 
@@ -338,6 +341,7 @@ def summarize(cell: dict, runs: dict[str, list[dict]], bandwidth: float) -> list
         if "ms_per_step" in repeats[0]:
             row["ms_per_step"] = round(statistics.median(r["ms_per_step"] for r in repeats), 2)
             row["impl"] = repeats[0]["impl"]
+            row["products"] = repeats[0].get("products")
         if system in SPECULATIVE and "tokens_per_step" in repeats[0]:
             row["tokens_per_step"] = round(repeats[0]["tokens_per_step"], 3)
         if reference is not None and system != "engine":

@@ -1,6 +1,7 @@
 """All of a decode step's matrix products, timed alone: the verifier's panels
-(sssd._kernels.linear_bf16 / linear_f32) against oneDNN's prepacked products, beside a plain read
-of as many bytes, in one process, taking turns.
+(sssd._kernels.linear_bf16 / linear_f32, and in bfloat16 on CPUs with AMX the same panels on the
+tile unit, linear_bf16_amx) against oneDNN's prepacked products, beside a plain read of as many
+bytes, in one process, taking turns.
 
     .venv/bin/python bench/linear_panels.py [--model qwen-coder-1.5b] [--dtype bfloat16]
         [--rows 1,2,4,8,16] [--rounds 5] [--out bench/results/linear-panels.jsonl]
@@ -15,6 +16,7 @@ second they mean.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="also write the JSON lines here")
     args = parser.parse_args(argv)
 
-    from sssd.verifier.engine.decoder import Linear, _panels_usable
+    from sssd.verifier.engine.decoder import Linear, _amx_usable, _panels_usable
 
     dtype = getattr(torch, args.dtype)
     if not _panels_usable(dtype, torch.device("cpu")):
@@ -56,10 +58,17 @@ def main(argv: list[str] | None = None) -> None:
                          f"{' BF16' if dtype == torch.bfloat16 else ''} needed)")
     shapes = products(args.model)
     generator = torch.Generator().manual_seed(0)
+    # The AMX products read the same packed panels: one copy of the weights serves both.
+    names = ("panels", "onednn") + (("amx",) if _amx_usable(dtype, torch.device("cpu")) else ())
     layers = []
     for out_features, in_features in shapes:
         weight = (0.02 * torch.randn(out_features, in_features, generator=generator)).to(dtype)
-        layers.append((Linear(weight, None, "panels"), Linear(weight, None, "onednn")))
+        panels = Linear(weight, None, "panels")
+        layers.append((panels, Linear(weight, None, "onednn")))
+        if "amx" in names:
+            on_tiles = copy.copy(panels)
+            on_tiles.layout = "amx"
+            layers[-1] += (on_tiles,)
         del weight
     num_bytes = sum(o * i for o, i in shapes) * torch.finfo(dtype).bits // 8
     read_buffer = torch.ones(num_bytes // torch.finfo(dtype).bits * 8, dtype=dtype)
@@ -71,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         for rows in row_counts:
             inputs = {i: torch.randn(rows, i, generator=generator).to(dtype)
                       for i in {i for _, i in shapes}}
-            for index, name in enumerate(("panels", "onednn")):
+            for index, name in enumerate(names):
                 start = time.perf_counter()
                 for pair, (_, in_features) in zip(layers, shapes):
                     pair[index](inputs[in_features])

@@ -41,9 +41,9 @@ def make_budget_policy(config: EngineConfig, runner: ModelRunner,
     """`speculates`: False for an engine without a proposer, which always decodes one token.
 
     The measured policy's profile is reused from `profile_path` when it was measured with the
-    same model, dtype, forward pass (runner.impl), device type and torch threads and covers
-    the batch sizes; its prior is the acceptance saved beside it by an earlier server
-    (serving.observers.AcceptanceSaver), else the built-in one."""
+    same model, dtype, forward pass (runner.impl), matrix products (runner.products), device
+    type and torch threads and covers the batch sizes; its prior is the acceptance saved beside
+    it by an earlier server (serving.observers.AcceptanceSaver), else the built-in one."""
     if not speculates:
         return FixedBudget(1)
     if config.budget_policy == "rule":
@@ -51,7 +51,8 @@ def make_budget_policy(config: EngineConfig, runner: ModelRunner,
 
     # A GPU's index does not change its speed: the profile is the device type's.
     setting = {"model": model_name, "dtype": config.dtype, "model_impl": runner.impl,
-               "device": runner.device.type, "torch_threads": torch.get_num_threads()}
+               "products": runner.products, "device": runner.device.type,
+               "torch_threads": torch.get_num_threads()}
     prior = DEFAULT_ACCEPTANCE_PRIOR
     if config.profile_path:
         stats_path = acceptance_path(config.profile_path, config.mode)

@@ -10,7 +10,9 @@ bandwidth. Here each layer is a handful of tensor operations on weights prepared
 - on CPUs with AVX-512 (and its BF16 instructions for a bfloat16 model), the products by
   sssd._kernels (linear_bf16, linear_f32), on weights packed in panels that a step reads as one
   stream: near the machine's read bandwidth from one row to eight, and a row's result
-  independent of the rows beside it;
+  independent of the rows beside it; a bfloat16 model on a CPU with AMX multiplies the same
+  panels on the tile unit (linear_bf16_amx), which keeps a step at the cost of reading the
+  weights up to 16 rows and more;
 - elsewhere on CPUs with oneDNN, every weight prepacked in its blocked layout, which reads the
   weights at about twice the bandwidth of a plain `linear` and keeps a step nearly flat up to
   8-16 rows;
@@ -45,6 +47,7 @@ FAMILIES = ("llama", "qwen2")
 # 4 (Qwen2.5-1.5B, bf16, every product of a step: 93 / 111 / 78 / 74 ms for 1 / 2 / 3 / 4 rows).
 # The bfloat16 panels (linear_bf16) need no minimum.
 MIN_PRODUCT_ROWS = 4
+AMX_INPUTS = 32  # an AMX tile's inputs: linear_bf16_amx needs in_features a multiple of it
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # sssd._kernels' Dtype
 
 
@@ -75,6 +78,10 @@ def _panels_usable(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32 and _kernels.has_avx512_fma()
 
 
+def _amx_usable(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and dtype == torch.bfloat16 and _kernels.has_amx_bf16()
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """weight [out_features, in_features] as the panels of 64 outputs of sssd._kernels'
     products, the last panel's missing outputs zero: bfloat16 (linear_bf16) [num_panels,
@@ -94,6 +101,8 @@ class Linear:
     """y = x W^T (+ b) for x [num_rows, in_features]. Where the weights are kept:
     - "panels": packed for sssd._kernels.linear_bf16 (bfloat16, on a CPU with AVX-512 BF16) or
       linear_f32 (float32, AVX-512);
+    - "amx": the same panels, multiplied on the AMX tile unit (sssd._kernels.linear_bf16_amx;
+      bfloat16, in_features a multiple of 32);
     - "onednn": prepacked for oneDNN (CPU, float32 or bfloat16);
     - "plain": as given, for `F.linear`."""
 
@@ -107,6 +116,11 @@ class Linear:
                 raise ValueError(f"panels need a bfloat16 or float32 weight of an even width, "
                                  f"got {weight.dtype} {tuple(weight.shape)}")
             self.weight = pack_panels(weight.contiguous())
+        elif layout == "amx":
+            if weight.dtype != torch.bfloat16 or self.in_features % AMX_INPUTS:
+                raise ValueError(f"AMX products need a bfloat16 weight whose width is a multiple "
+                                 f"of {AMX_INPUTS}, got {weight.dtype} {tuple(weight.shape)}")
+            self.weight = pack_panels(weight.contiguous())
         elif layout == "onednn":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         elif layout == "plain":
@@ -115,13 +129,14 @@ class Linear:
             raise ValueError(f"unknown weight layout {layout!r}")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.layout == "panels":
+        if self.layout in ("panels", "amx"):
             x = x.contiguous()
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-            product = _kernels.linear_f32 if x.dtype == torch.float32 else _kernels.linear_bf16
+            product = _kernels.linear_bf16_amx if self.layout == "amx" else \
+                _kernels.linear_f32 if x.dtype == torch.float32 else _kernels.linear_bf16
             product(x.data_ptr(), self.weight.data_ptr(),
-                                 0 if self.bias is None else self.bias.data_ptr(),
-                                 out.data_ptr(), x.shape[0], self.in_features, self.out_features)
+                    0 if self.bias is None else self.bias.data_ptr(), out.data_ptr(), x.shape[0],
+                    self.in_features, self.out_features)
             return out
         if self.layout == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -187,12 +202,15 @@ class Decoder:
     """The forward pass of a Llama or Qwen2 causal LM over the slot KV cache."""
 
     def __init__(self, model: torch.nn.Module, pack: bool | None = None,
-                 fused: bool | None = None, panels: bool | None = None) -> None:
+                 fused: bool | None = None, panels: bool | None = None,
+                 amx: bool | None = None) -> None:
         """`model`: a transformers LlamaForCausalLM or Qwen2ForCausalLM (UnsupportedModel
         otherwise); its weights are shared, or copied into prepacked form when `pack` (default:
         where oneDNN can run them). `panels`: a packed model's products by sssd._kernels
         (linear_bf16, linear_f32) rather than oneDNN (default: where the CPU has AVX-512, with
-        its BF16 instructions for a bfloat16 model).
+        its BF16 instructions for a bfloat16 model). `amx`: a bfloat16 model's panels
+        multiplied on the AMX tile unit (linear_bf16_amx; default: where the CPU has one and
+        every product's width is a multiple of AMX_INPUTS).
         `fused`: the layer's small operations by sssd._kernels (default: on the CPU, in float32
         or bfloat16)."""
         self.check(model)
@@ -209,7 +227,17 @@ class Decoder:
         elif panels and not (even and _panels_usable(self.dtype, self.device)):
             raise ValueError("the panels need a float32 or bfloat16 model of even widths on a "
                              "CPU with AVX-512 (and AVX-512 BF16 for bfloat16)")
-        self.layout = "panels" if panels else "onednn" if pack else "plain"
+        widths = (config.hidden_size, config.num_attention_heads * (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
+            inner.layers[0].mlp.gate_proj.weight.shape[0])
+        amx_fits = panels and _amx_usable(self.dtype, self.device) and \
+            all(w % AMX_INPUTS == 0 for w in widths)
+        if amx is None:
+            amx = amx_fits
+        elif amx and not amx_fits:
+            raise ValueError(f"AMX products need a bfloat16 model whose widths are multiples of "
+                             f"{AMX_INPUTS}, on a CPU with AMX (and the panels on)")
+        self.layout = "amx" if amx else "panels" if panels else "onednn" if pack else "plain"
         # oneDNN's products run on at least MIN_PRODUCT_ROWS rows (see _layers_fused)
         self.min_rows = MIN_PRODUCT_ROWS if self.layout == "onednn" else 1
         layout = self.layout

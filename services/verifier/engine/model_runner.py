@@ -157,6 +157,12 @@ class ModelRunner:
         """The forward pass in use: "sssd" or "transformers"."""
         return "transformers" if self.decoder is None else "sssd"
 
+    @property
+    def products(self) -> str:
+        """Who runs the own forward pass's matrix products (Decoder.layout: amx, panels,
+        onednn, plain), or "transformers"."""
+        return "transformers" if self.decoder is None else self.decoder.layout
+
     @torch.inference_mode()
     def verify(self, trees: Sequence[DraftTree]) -> torch.Tensor:
         """One forward pass over the trees of slots [0, len(trees)).

@@ -90,3 +90,47 @@ def test_weights_it_cannot_hold_are_refused():
         Linear(torch.zeros(8, 4, dtype=torch.float16), None, "panels")
     with pytest.raises(ValueError, match="layout"):
         Linear(torch.zeros(8, 4), None, "blocked")
+
+
+amx = pytest.mark.skipif(not _kernels.has_amx_bf16(),
+                         reason="this CPU has no AMX bfloat16 tiles (or the OS does not grant "
+                         "them): the decoder uses the AVX-512 panels")
+
+
+@amx
+@pytest.mark.parametrize("rows,features,outputs,with_bias", [
+    (1, 64, 64, False),      # one row, one tile of inputs, one panel
+    (5, 2112, 130, True),    # two input blocks, a padded panel
+    (37, 96, 200, True),     # two full row groups and a padded third
+])
+def test_amx_is_the_product_to_bfloat16_rounding(rows, features, outputs, with_bias):
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, features, generator=generator).bfloat16()
+    weight = torch.randn(outputs, features, generator=generator).bfloat16()
+    bias = torch.randn(outputs, generator=generator).bfloat16() if with_bias else None
+    got = Linear(weight, bias, "amx")(x)
+    assert got.shape == (rows, outputs) and got.dtype == torch.bfloat16
+    # Each sum in float32, rounded once: within a unit in the last place of the exact result.
+    exact = torch.nn.functional.linear(x.double(), weight.double(),
+                                       None if bias is None else bias.double())
+    torch.testing.assert_close(got.double(), exact, rtol=2 ** -7, atol=1e-3 * features ** 0.5)
+
+
+@amx
+def test_amx_rows_do_not_depend_on_the_rows_beside_them():
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(200, 1536, generator=generator).bfloat16()
+    linear = Linear(weight, None, "amx")
+    x = (3 * torch.randn(40, 1536, generator=generator)).bfloat16()
+    alone = torch.cat([linear(x[m:m + 1]) for m in range(40)])
+    for count in (2, 5, 15, 16, 17, 33, 40):
+        assert torch.equal(linear(x[:count]), alone[:count]), count
+    assert torch.equal(linear(x.flip(0)), alone.flip(0))
+
+
+@amx
+def test_amx_refuses_widths_its_tiles_cannot_hold():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Linear(torch.zeros(8, 48, dtype=torch.bfloat16), None, "amx")
+    with pytest.raises(ValueError, match="bfloat16"):
+        Linear(torch.zeros(8, 64), None, "amx")

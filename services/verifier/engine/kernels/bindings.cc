@@ -38,6 +38,12 @@ NB_MODULE(_kernels, m) {
     k::linear_bf16(ptr(x), ptr(packed), bias == 0 ? nullptr : ptr(bias), ptr(out), rows,
                    in_features, out_features);
   }, nb::call_guard<nb::gil_scoped_release>());
+  m.def("has_amx_bf16", &k::has_amx_bf16);
+  m.def("linear_bf16_amx", [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out,
+                              int64_t rows, int64_t in_features, int64_t out_features) {
+    k::linear_bf16_amx(ptr(x), ptr(packed), bias == 0 ? nullptr : ptr(bias), ptr(out), rows,
+                       in_features, out_features);
+  }, nb::call_guard<nb::gil_scoped_release>());
   m.def("has_avx512_fma", &k::has_avx512_fma);
   m.def("linear_f32", [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out,
                          int64_t rows, int64_t in_features, int64_t out_features) {

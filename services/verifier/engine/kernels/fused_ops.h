@@ -86,6 +86,21 @@ int64_t packed_bf16_panels(int64_t out_features);
 void linear_bf16(const void* x, const void* packed, const void* bias, void* out, int64_t rows,
                  int64_t in_features, int64_t out_features);
 
+// Each sums[j] (+ bias[j]) rounded to bfloat16 to nearest even, into out[j], j < width; bias
+// null or bfloat16 (linear_panels.cc; the last step of linear_bf16 and linear_bf16_amx).
+void round_sums_bf16(const float* sums, const uint16_t* bias, uint16_t* out, int64_t width);
+
+// True when this CPU has AMX's bfloat16 tiles and the OS lets this process use them (asked
+// here, once); linear_bf16_amx runs there only.
+bool has_amx_bf16();
+
+// linear_bf16's product (same arguments, same packed panels) on the AMX tile unit
+// (linear_amx.cc); in_features a multiple of 32. A row's result does not depend on the other
+// rows; it may differ from linear_bf16's in the last bit, where the tile unit orders a sum
+// differently.
+void linear_bf16_amx(const void* x, const void* packed, const void* bias, void* out,
+                     int64_t rows, int64_t in_features, int64_t out_features);
+
 // True when this CPU has AVX-512 (linear_f32 runs there only).
 bool has_avx512_fma();
 

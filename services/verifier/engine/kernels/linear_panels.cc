@@ -113,89 +113,97 @@ constexpr AddInputs kAddInputs[kRowTile + 1] = {
     nullptr, add_inputs<1>, add_inputs<2>, add_inputs<3>, add_inputs<4>, add_inputs<5>,
     add_inputs<6>};
 
+// The loop both products share: the panels split between the threads; in each, the blocks of
+// `steps` (input pairs or inputs) in order and, in each block, the rows kRowTile at a time,
+// add(panel, first row, rows, block begin, block end, the rows' sums) accumulating; then
+// finish(panel, sums [rows][64]) writes the panel's outputs.
+template <typename Add, typename Finish>
+void run_panels(int64_t rows, int64_t num_panels, int64_t steps, int64_t block, const Add& add,
+                const Finish& finish) {
+#pragma omp parallel
+  {
+    std::vector<float> sums(static_cast<size_t>(rows * kPanel));
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < num_panels; ++p) {
+      for (int64_t begin = 0; begin < steps; begin += block) {
+        const int64_t end = std::min(begin + block, steps);
+        for (int64_t r = 0; r < rows; r += kRowTile) {
+          add(p, r, std::min(kRowTile, rows - r), begin, end, sums.data() + r * kPanel);
+        }
+      }
+      finish(p, sums.data());
+    }
+  }
+}
+
 }  // namespace
 
 bool has_avx512_bf16() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
 }
 
+bool has_avx512_fma() { return __builtin_cpu_supports("avx512f"); }
+
 int64_t packed_bf16_panels(int64_t out_features) { return (out_features + kPanel - 1) / kPanel; }
+
+void round_sums_bf16(const float* sums, const uint16_t* bias, uint16_t* out, int64_t width) {
+  for (int64_t j = 0; j < width; j += 16) {
+    const int64_t lanes = std::min<int64_t>(16, width - j);
+    const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
+    __m512 value = _mm512_loadu_ps(sums + j);
+    if (bias != nullptr) {
+      const __m256i b = _mm256_maskz_loadu_epi16(mask, bias + j);
+      value = _mm512_add_ps(value, _mm512_castsi512_ps(
+                                       _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+    }
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(value);
+    _mm256_mask_storeu_epi16(out + j, mask, rounded);
+  }
+}
 
 void linear_bf16(const void* x, const void* packed, const void* bias, void* out, int64_t rows,
                  int64_t in_features, int64_t out_features) {
   const int64_t num_pairs = in_features / 2;
-  const int64_t num_panels = packed_bf16_panels(out_features);
   const auto* x_pairs = static_cast<const uint32_t*>(x);
   const auto* weights = static_cast<const __m512i*>(packed);
   const auto* bias_bits = static_cast<const uint16_t*>(bias);
   auto* y = static_cast<uint16_t*>(out);
-#pragma omp parallel
-  {
-    std::vector<float> sums(static_cast<size_t>(rows * kPanel));
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < num_panels; ++p) {
-      const __m512i* panel = weights + p * num_pairs * 4;
-      for (int64_t begin = 0; begin < num_pairs; begin += kPairBlock) {
-        const int64_t end = std::min(begin + kPairBlock, num_pairs);
-        for (int64_t r = 0; r < rows; r += kRowTile) {
-          const int64_t tile = std::min(kRowTile, rows - r);
-          kAddPairs[tile](x_pairs + r * num_pairs, num_pairs, panel, begin, end,
-                          sums.data() + r * kPanel, begin == 0);
-        }
-      }
-      const int64_t first = p * kPanel;
-      const int64_t width = std::min(kPanel, out_features - first);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* s = sums.data() + r * kPanel;
-        uint16_t* row_out = y + r * out_features + first;
-        for (int64_t j = 0; j < width; j += 16) {
-          const int64_t lanes = std::min<int64_t>(16, width - j);
-          const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
-          __m512 value = _mm512_loadu_ps(s + j);
-          if (bias_bits != nullptr) {
-            const __m256i b = _mm256_maskz_loadu_epi16(mask, bias_bits + first + j);
-            value = _mm512_add_ps(value, _mm512_castsi512_ps(
-                                             _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
-          }
-          const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(value);
-          _mm256_mask_storeu_epi16(row_out + j, mask, rounded);
-        }
-      }
+  const auto add = [&](int64_t p, int64_t r, int64_t tile, int64_t begin, int64_t end,
+                       float* sums) {
+    kAddPairs[tile](x_pairs + r * num_pairs, num_pairs, weights + p * num_pairs * 4, begin, end,
+                    sums, begin == 0);
+  };
+  const auto finish = [&](int64_t p, const float* sums) {
+    const int64_t first = p * kPanel;
+    const int64_t width = std::min(kPanel, out_features - first);
+    for (int64_t r = 0; r < rows; ++r) {
+      round_sums_bf16(sums + r * kPanel, bias_bits == nullptr ? nullptr : bias_bits + first,
+                      y + r * out_features + first, width);
     }
-  }
+  };
+  run_panels(rows, packed_bf16_panels(out_features), num_pairs, kPairBlock, add, finish);
 }
-
-bool has_avx512_fma() { return __builtin_cpu_supports("avx512f"); }
 
 void linear_f32(const float* x, const float* packed, const float* bias, float* out,
                 int64_t rows, int64_t in_features, int64_t out_features) {
-  const int64_t num_panels = packed_bf16_panels(out_features);
-  const int64_t block = 2 * kPairBlock;  // inputs per block: 128 KB of a panel
-#pragma omp parallel
-  {
-    std::vector<float> sums(static_cast<size_t>(rows * kPanel));
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < num_panels; ++p) {
-      const float* panel = packed + p * in_features * kPanel;
-      for (int64_t begin = 0; begin < in_features; begin += block) {
-        const int64_t end = std::min(begin + block, in_features);
-        for (int64_t r = 0; r < rows; r += kRowTile) {
-          const int64_t tile = std::min(kRowTile, rows - r);
-          kAddInputs[tile](x + r * in_features, in_features, panel, begin, end,
-                           sums.data() + r * kPanel, begin == 0);
-        }
-      }
-      const int64_t first = p * kPanel;
-      const int64_t width = std::min(kPanel, out_features - first);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* s = sums.data() + r * kPanel;
-        float* row_out = out + r * out_features + first;
-        for (int64_t j = 0; j < width; ++j) {
-          row_out[j] = bias != nullptr ? s[j] + bias[first + j] : s[j];
-        }
+  const auto add = [&](int64_t p, int64_t r, int64_t tile, int64_t begin, int64_t end,
+                       float* sums) {
+    kAddInputs[tile](x + r * in_features, in_features, packed + p * in_features * kPanel, begin,
+                     end, sums, begin == 0);
+  };
+  const auto finish = [&](int64_t p, const float* sums) {
+    const int64_t first = p * kPanel;
+    const int64_t width = std::min(kPanel, out_features - first);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* s = sums + r * kPanel;
+      float* row_out = out + r * out_features + first;
+      for (int64_t j = 0; j < width; ++j) {
+        row_out[j] = bias != nullptr ? s[j] + bias[first + j] : s[j];
       }
     }
-  }
+  };
+  // Inputs in blocks of 2 kPairBlock: 128 KB of a float32 panel.
+  run_panels(rows, packed_bf16_panels(out_features), in_features, 2 * kPairBlock, add, finish);
 }
 
 }  // namespace sssd::kernels
