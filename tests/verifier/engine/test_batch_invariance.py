@@ -2,9 +2,10 @@
 
 The verifier's own forward pass (model_impl "sssd", the default) is built for it: its attention
 kernel sums over exactly the keys a node sees, and its matrix products compute a row alike
-whatever the rows beside it (the bfloat16 panels of sssd._kernels.linear_bf16 by construction;
-oneDNN from two rows up, so its products never run on one row). So in bfloat16, plain and
-speculative greedy decoding give the same tokens at every batch size. The tests check the
+whatever the rows beside it (the bfloat16 panels of sssd._kernels.linear_bf16 and
+linear_bf16_amx by construction; oneDNN from two rows up, so its products never run on one
+row). So in bfloat16, plain and speculative greedy decoding give the same tokens at every batch
+size. The tests check the
 premise on this CPU first and skip, with the reason, where it does not hold.
 
 The transformers forward (model_impl "transformers") gets there only with
@@ -25,28 +26,32 @@ from sssd.verifier.engine.model_runner import ModelRunner
 
 def bf16_matmul_is_row_invariant() -> bool:
     """Every projection shape of the model (576 -> 1536, 1536 -> 576, 576 -> 576), on several
-    inputs: one shape or one input is not enough (an AVX512-BF16 EPYC rounded 1536 -> 576 rows
-    differently alone and in pairs, about one input in ten, while 576 -> 1536 never did)."""
+    inputs and up to the 64 rows of the tests' steps: one shape, one input or small row counts
+    are not enough (an AVX512-BF16 EPYC rounded 1536 -> 576 rows differently alone and in
+    pairs, about one input in ten, while 576 -> 1536 never did; a Xeon with AMX agrees up to
+    32 rows and rounds differently from 33 on)."""
     generator = torch.Generator().manual_seed(0)
     for features, outputs in ((576, 1536), (1536, 576), (576, 576)):
         weight = torch.randn(outputs, features, generator=generator).bfloat16()
         for _ in range(20):
-            rows = (3 * torch.randn(32, features, generator=generator)).bfloat16()
+            rows = (3 * torch.randn(64, features, generator=generator)).bfloat16()
             single = torch.nn.functional.linear(rows[:1], weight)[0]
             if not all(torch.equal(torch.nn.functional.linear(rows[:m], weight)[0], single)
-                       for m in (2, 3, 8, 32)):
+                       for m in (2, 3, 8, 32, 64)):
                 return False
     return True
 
 
 def packed_bf16_products_are_row_invariant() -> bool:
-    """The decoder's bfloat16 products as it runs them here (the panels where the CPU has
-    AVX-512 BF16, from one row up; else oneDNN, from two rows up), every projection shape of the
-    default model, on several inputs."""
-    from sssd.verifier.engine.decoder import Linear, _oneDNN_usable, _panels_usable
+    """The decoder's bfloat16 products as it runs them here (on the AMX tile unit or the
+    AVX-512 panels where the CPU has them, from one row up; else oneDNN, from two rows up),
+    every projection shape of the default model, on several inputs."""
+    from sssd.verifier.engine.decoder import Linear, _amx_usable, _oneDNN_usable, _panels_usable
 
     cpu = torch.device("cpu")
-    if _panels_usable(torch.bfloat16, cpu):
+    if _amx_usable(torch.bfloat16, cpu):
+        layout, fewest = "amx", 1
+    elif _panels_usable(torch.bfloat16, cpu):
         layout, fewest = "panels", 1
     elif _oneDNN_usable(torch.bfloat16, cpu):
         layout, fewest = "onednn", 2
