@@ -5,7 +5,7 @@ with the SSSD drafter (linear drafts).
     .venv/bin/python bench/engine_speed.py [--models smollm2,qwen-coder-1.5b]
         [--dtypes float32,bfloat16] [--batch-sizes 1,4,8] [--set mt_bench] [--prompts 8]
         [--max-tokens 64] [--systems engine,engine-transformers,generate,vllm]
-        [--speculative engine-sssd,vllm-sssd] [--datastore DIR] [--repeats 1]
+        [--speculative engine-sssd,vllm-sssd] [--datastore DIR] [--repeats 1] [--policy measured]
         [--out bench/results/engine-speed.jsonl]
     .venv/bin/python bench/engine_speed.py --plot bench/results/engine-speed.jsonl
 
@@ -23,8 +23,9 @@ batch size), so that all of them see the same machine:
 - vllm: vLLM's CPU build (.venv-vllm, scripts/setup_vllm.sh), `LLM.generate` on the same
   prompt token ids, greedy, at most `batch size` sequences at a time, with its compiled graphs
   (--vllm-eager: without) and its threads on every core;
-- engine-sssd: the engine with SSSD draft trees (in-process drafter over --datastore, the rule
-  budget policy);
+- engine-sssd: the engine with SSSD draft trees (in-process drafter over --datastore, the budget
+  policy --policy: measured, the default, profiles the forward pass at start, before the
+  timing; or rule);
 - vllm-sssd: vLLM with the SSSD drafter service as its proposer (`custom_class`, k = 4).
 The speculative systems run on SmolLM2 only unless --datastore names a datastore built with the
 other model's tokenizer.
@@ -93,7 +94,7 @@ def engine_worker(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
         mode="sssd" if speculative else "ar", dtype=args.dtype, max_batch_size=args.batch_size,
         max_len=max(map(len, prompts)) + args.max_tokens + 64, datastore_dir=args.datastore,
         model_impl="transformers" if args.system == "engine-transformers" else "auto",
-        budget_policy="rule", profile_path="")
+        budget_policy=args.policy, profile_path="")
     engine = build_engine(config, loaded)
     engine.generate(prompts[:1], 4)  # warm-up: first-call allocations, the drafter's start
     engine.stats = EngineStats()
@@ -182,6 +183,18 @@ def worker(args: argparse.Namespace) -> None:
 # --- the driver ---------------------------------------------------------------------------
 
 
+def cpu_name() -> str:
+    """The CPU's model name, and "+AMX" where it has AMX's bfloat16 tiles: results of different
+    machines differ by far more than their noise."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                 if line.startswith("model name")), "unknown")
+    return name + (" +AMX" if " amx_bf16" in text else "")
+
+
 def memory_bandwidth() -> float:
     """Bytes per second that this machine's cores read (best of several passes over 2 GiB)."""
     import torch
@@ -211,7 +224,8 @@ def run_system(args: argparse.Namespace, system: str, cell: dict, work: Path,
     python = VLLM_PYTHON if system.startswith("vllm") else Path(sys.executable)
     command = [str(python), __file__, "--worker", "--system", system,
                "--dtype", cell["dtype"], "--batch-size", str(cell["batch_size"]),
-               "--max-tokens", str(args.max_tokens), "--prompts-file", str(prompts_file)]
+               "--max-tokens", str(args.max_tokens), "--prompts-file", str(prompts_file),
+               "--policy", args.policy]
     for key, value in extra.items():
         if value is not None:
             command += [f"--{key.replace('_', '-')}", str(value)]
@@ -242,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="SSSD datastore (default: the newest under var/demo-datastore, "
                         "SmolLM2's tokenizer)")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--policy", default="measured", choices=("measured", "rule"),
+                        help="engine-sssd's budget policy")
     parser.add_argument("--out", default=str(ROOT / "bench/results/engine-speed.jsonl"))
     parser.add_argument("--plot", metavar="JSONL", help="only draw the PNG of a finished run")
     parser.add_argument("--vllm-eager", action="store_true",
@@ -278,7 +294,10 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = memory_bandwidth()
     print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s", file=sys.stderr)
     work = Path(tempfile.mkdtemp(prefix="engine-speed-"))
-    datastore = args.datastore or newest("demo-datastore/*")
+    # Absolute: the workers run in the work folder, where a relative path names nothing (and a
+    # drafter over a missing directory serves an empty datastore).
+    datastore = str(Path(args.datastore).resolve()) if args.datastore \
+        else newest("demo-datastore/*")
     drafter = None
     rows = []
     out = Path(args.out)
@@ -302,7 +321,8 @@ def main(argv: list[str] | None = None) -> None:
                 for batch_size in map(int, args.batch_sizes.split(",")):
                     cell = {"model": model_name, "dtype": dtype, "batch_size": batch_size,
                             "set": args.set, "prompts": args.prompts,
-                            "max_tokens": args.max_tokens}
+                            "max_tokens": args.max_tokens, "policy": args.policy,
+                            "cpu": cpu_name()}
                     extra = {"model_file": gguf, "vllm_model": vllm_model,
                              "datastore": datastore, "drafter": drafter and drafter[1]}
                     bandwidth = max(bandwidth, memory_bandwidth())  # the floor: the best seen

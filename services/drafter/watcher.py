@@ -144,6 +144,11 @@ class DatastoreWatcher:
     def start(self) -> None:
         """Loads what is there now, then polls in a daemon thread."""
         self.refresh()
+        if self.current is None and self.last_error is None:
+            # A cold start (a live datastore before its first shard) or a mistyped path: say
+            # which, since both draft from the input trie alone.
+            logger.warning("no datastore manifest in %s yet: drafting from each sequence's own "
+                           "tokens until one appears", self.datastore_dir.resolve())
         if self._thread is None:
             self._thread = threading.Thread(target=self._poll, name="datastore-watcher",
                                             daemon=True)
