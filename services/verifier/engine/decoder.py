@@ -117,6 +117,8 @@ class Linear:
                                  f"got {weight.dtype} {tuple(weight.shape)}")
             self.weight = pack_panels(weight.contiguous())
         elif layout == "amx":
+            if not _kernels.has_amx_bf16():
+                raise ValueError("this CPU (or its OS) offers no AMX bfloat16 tiles")
             if weight.dtype != torch.bfloat16 or self.in_features % AMX_INPUTS:
                 raise ValueError(f"AMX products need a bfloat16 weight whose width is a multiple "
                                  f"of {AMX_INPUTS}, got {weight.dtype} {tuple(weight.shape)}")

@@ -134,3 +134,10 @@ def test_amx_refuses_widths_its_tiles_cannot_hold():
         Linear(torch.zeros(8, 48, dtype=torch.bfloat16), None, "amx")
     with pytest.raises(ValueError, match="bfloat16"):
         Linear(torch.zeros(8, 64), None, "amx")
+
+
+def test_amx_is_refused_where_the_cpu_or_os_offers_no_tiles(monkeypatch):
+    # A tile instruction without the OS's grant is an illegal instruction: refused up front.
+    monkeypatch.setattr(_kernels, "has_amx_bf16", lambda: False)
+    with pytest.raises(ValueError, match="no AMX"):
+        Linear(torch.zeros(64, 64, dtype=torch.bfloat16), None, "amx")

@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cpuid.h>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
 
 #include "fused_ops.h"
@@ -124,6 +125,8 @@ bool has_amx_bf16() {
 
 void linear_bf16_amx(const void* x, const void* packed, const void* bias, void* out,
                      int64_t rows, int64_t in_features, int64_t out_features) {
+  // Also what asks the OS for the tile state: a tile instruction before that is illegal.
+  if (!has_amx_bf16()) throw std::runtime_error("this CPU or OS offers no AMX bfloat16 tiles");
   const int64_t num_pairs = in_features / 2;
   const int64_t num_panels = packed_bf16_panels(out_features);
   const int64_t num_groups = (rows + kTileRows - 1) / kTileRows;
