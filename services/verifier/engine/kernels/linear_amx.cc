@@ -15,7 +15,7 @@
 // - the sums are four tiles of 16 rows x 16 float32 outputs, kept in the tile registers over
 //   the input pairs of a block and stored to memory between blocks.
 // Rows go 16 at a time; the last group of fewer than 16 rows reads its input tile from a copy
-// padded with zero rows (a tile load reads whole rows). Inputs go in blocks of kPairBlock pairs,
+// padded with zero rows (a tile load reads whole rows: past the end of x it could fault). Inputs go in blocks of kPairBlock pairs,
 // so that further row groups find a block of the panel in the core's cache.
 //
 // A row's result depends on that row alone: each output row of TDPBF16PS is its input row
@@ -44,6 +44,11 @@ constexpr int64_t kPanel = 64;          // outputs per panel, as linear_panels.c
 constexpr int64_t kTileRows = 16;       // rows of x per input tile
 constexpr int64_t kTilePairs = 16;      // input pairs per tile (64 bytes of bfloat16)
 constexpr int64_t kPairBlock = 1024;    // input pairs per block: 256 KB of a panel
+// How far ahead of its tile loads the first row group asks for the panel's cache lines. The
+// hardware prefetcher alone kept a 1-row Qwen2.5-Coder-1.5B step at 121 ms median, but at 206
+// ms in its slowest tenth while other tenants loaded the machine; asking 2 KB ahead, 122 and
+// 159 (bench/linear_panels.py's products, taking turns in one process).
+constexpr int64_t kPrefetchAhead = 2048;
 
 // Linux's request for the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
 constexpr int kArchReqXcompPerm = 0x1023;
@@ -82,9 +87,10 @@ bool probe_amx() {
 
 // Adds input pairs [begin, end) (a multiple of kTilePairs apart) of panel `panel` to the sums
 // of one group of 16 rows: `x` the group's first row (rows `x_stride` bytes apart), `sums`
-// [16][64] float32, loaded first unless `first`, stored after.
+// [16][64] float32, loaded first unless `first`, stored after. `streams`: this group is the
+// first to read the block, from memory (the others find it in the core's cache).
 void add_block(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t begin,
-               int64_t end, float* sums, bool first) {
+               int64_t end, float* sums, bool first, bool streams) {
   constexpr int64_t kSumStride = kPanel * sizeof(float);
   constexpr int64_t kPanelRow = kPanel * 2 * sizeof(uint16_t);  // one pair of 64 outputs
   if (first) {
@@ -100,6 +106,11 @@ void add_block(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64
   }
   for (int64_t pair = begin; pair < end; pair += kTilePairs) {
     const auto* w = reinterpret_cast<const char*>(panel) + pair * kPanelRow;
+    if (streams) {  // the 4 KB this step's tiles read, kPrefetchAhead further on
+      for (int64_t line = 0; line < kTilePairs * kPanelRow; line += 64) {
+        _mm_prefetch(w + kPrefetchAhead + line, _MM_HINT_T0);
+      }
+    }
     _tile_loadd(4, x + 2 * pair, x_stride);
     _tile_loadd(5, w, kPanelRow);
     _tile_dpbf16ps(0, 4, 5);
@@ -135,14 +146,19 @@ void linear_bf16_amx(const void* x, const void* packed, const void* bias, void* 
   const auto* bias_bits = static_cast<const uint16_t*>(bias);
   auto* y = static_cast<uint16_t*>(out);
   const int64_t x_stride = in_features * static_cast<int64_t>(sizeof(uint16_t));
-  // The last group's rows, padded with zero rows to a whole tile.
+  // The last group's rows, padded with zero rows to a whole tile, in a buffer of the calling
+  // thread's that stays zero between calls: a decode step copies its one row in and clears it
+  // after, instead of allocating and zeroing a whole tile of rows for every product.
+  thread_local std::vector<uint16_t> padded;
   const int64_t tail_rows = rows - (num_groups - 1) * kTileRows;
-  std::vector<uint16_t> tail;
   const uint16_t* last_group = x_bits + (num_groups - 1) * kTileRows * in_features;
-  if (tail_rows < kTileRows) {
-    tail.assign(static_cast<size_t>(kTileRows * in_features), 0);
-    std::memcpy(tail.data(), last_group, tail_rows * x_stride);
-    last_group = tail.data();
+  const bool is_padded = tail_rows < kTileRows;
+  if (is_padded) {
+    if (padded.size() < static_cast<size_t>(kTileRows * in_features)) {
+      padded.assign(static_cast<size_t>(kTileRows * in_features), 0);
+    }
+    std::memcpy(padded.data(), last_group, tail_rows * x_stride);
+    last_group = padded.data();
   }
 #pragma omp parallel
   {
@@ -157,7 +173,7 @@ void linear_bf16_amx(const void* x, const void* packed, const void* bias, void* 
           const uint16_t* group = g + 1 < num_groups ? x_bits + g * kTileRows * in_features
                                                      : last_group;
           add_block(group, x_stride, panel, begin, end, sums.data() + g * kTileRows * kPanel,
-                    begin == 0);
+                    begin == 0, g == 0);
         }
       }
       const int64_t first = p * kPanel;
@@ -170,6 +186,7 @@ void linear_bf16_amx(const void* x, const void* packed, const void* bias, void* 
     }
     _tile_release();
   }
+  if (is_padded) std::memset(padded.data(), 0, tail_rows * x_stride);
 }
 
 }  // namespace sssd::kernels
