@@ -34,7 +34,7 @@ DEFAULT_BUDGETS = (1, 2, 4, 8, 16, 32)
 # SmolLM2-135M's greedy answers to MT-Bench (`python bench/draft_quality.py --sets mt_bench
 # --budgets 2,4,8,16,32`: 0.433, 0.825, 1.101, 1.306, 1.459), rounded down.
 DEFAULT_ACCEPTANCE_PRIOR = {1: 0.0, 2: 0.43, 4: 0.82, 8: 1.1, 16: 1.3, 32: 1.45}
-PRIOR_WEIGHT = 8  # the prior counts as this many observed steps
+PRIOR_WEIGHT = 8  # the prior counts as this many observed rows (one sequence's tree of a step)
 PROFILE_WEIGHT = 8  # a profiled step time counts as this many observed ones
 FAR_BEHIND = 0.2  # a next budget this far below the best rate is explored rarely
 FAR_EXPLORE_FACTOR = 8  # how much more rarely
@@ -194,7 +194,7 @@ class MeasuredBudget:
     CALIBRATION_STEPS times.
 
     The estimates start from a prior (acceptance statistics saved by an earlier run, else
-    DEFAULT_ACCEPTANCE_PRIOR), which counts as PRIOR_WEIGHT steps: a fresh server speculates
+    DEFAULT_ACCEPTANCE_PRIOR), which counts as PRIOR_WEIGHT rows: a fresh server speculates
     from its first step and learns its own acceptance from there. Without a prior the first step
     runs at the largest budget (measuring all of them at once).
 
@@ -232,7 +232,7 @@ class MeasuredBudget:
         self.tie_tolerance = tie_tolerance
         # Mean accepted draft tokens per row at each budget; None until first observed.
         self.expected_accepted: dict[int, float | None] = {s: None for _, s in self.candidates}
-        self._weights = {s: 0 for _, s in self.candidates}  # steps behind each estimate
+        self._weights = {s: 0 for _, s in self.candidates}  # rows behind each estimate
         for s in self.expected_accepted:
             if prior is not None and s in prior:
                 self.expected_accepted[s] = float(prior[s])
@@ -362,9 +362,13 @@ class MeasuredBudget:
         """What a tree of budget s, the first s nodes, accepted: each path cut at its first
         node >= s (indices grow along a path)."""
         mean = float(np.mean([sum(1 for node in path if node < s) for path in accepted_nodes]))
-        # A running mean while few steps are behind the estimate, then a moving average.
-        self._weights[s] += 1
-        rate = max(self.decay, 1.0 / self._weights[s])
+        # A running mean while few rows are behind the estimate, then a moving average. Each
+        # row is one observation: a step of 8 rows moves the estimate as 8 steps of one would,
+        # so a large batch does not serve dozens of steps at a prior's budget that its own
+        # trees already contradict.
+        num_rows = len(accepted_nodes)
+        self._weights[s] += num_rows
+        rate = max(1.0 - (1.0 - self.decay) ** num_rows, num_rows / self._weights[s])
         old = self.expected_accepted[s]
         self.expected_accepted[s] = mean if old is None else old + rate * (mean - old)
 

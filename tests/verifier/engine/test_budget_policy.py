@@ -280,3 +280,23 @@ def test_of_two_budgets_that_cost_the_same_the_one_that_gets_more_accepted_wins(
     # ... but equal rates at the same cost stay with the smaller budget
     policy = MeasuredBudget(profile, max_budget=8, prior={1: 0.0, 2: 0.40, 4: 0.40, 8: 0.40})
     assert policy.budget(1) == 2
+
+
+def test_a_large_batch_unlearns_an_optimistic_prior_within_a_few_steps():
+    # Eight rows a step, accepting 0.5 tokens of a tree of 8 where the prior says 1.1, on
+    # a profile where that tree costs 1.6x a token (AMX, Qwen2.5-Coder-1.5B, b = 8): every row
+    # is an observation, so the prior is outvoted in a step or two, not after the dozens of
+    # steps a short request lasts (a benchmark of 22 steps at b = 8 ran budget 8 throughout).
+    profile = ForwardProfile([8], [1, 2, 4, 8], np.array([[0.128, 0.132, 0.164, 0.209]]))
+    policy = MeasuredBudget(profile, max_budget=8, prior={1: 0.0, 2: 0.2, 4: 0.5, 8: 1.1},
+                            hindsight_every=0)
+    chosen = []
+    for step in range(12):
+        s = policy.budget(8)
+        chosen.append(s)
+        # half the rows accept one token (at any budget of 2 and more), the others none
+        paths = [[1] if row % 2 and s > 1 else [] for row in range(8)]
+        policy.observe(8, s, paths, profile.time(8, [1, 2, 4, 8].index(s)))
+    assert chosen[0] == 8  # the prior's choice
+    assert chosen[2:].count(8) <= 2, chosen  # explored at most, no longer served
+    assert policy.expected_accepted[2] == pytest.approx(0.5, abs=0.05)
