@@ -28,8 +28,9 @@ Prints one JSON object per (mode, batch, policy) on stdout:
                               ties can flip argmax between batch shapes; float32 is exact, see
                               tests/verifier/test_engine_greedy.py)
 and, with `--hf-prompts`, two rows at batch size 1 for transformers' own `generate()`, plain and
-with its prompt-lookup decoding (`prompt_lookup_num_tokens=10`), alternating prompt by prompt;
-the second carries `speedup_over_hf_generate`.
+with its prompt-lookup decoding (`prompt_lookup_num_tokens=10`), alternating prompt by prompt,
+and a third with `--hf-assistant` (its assisted generation with that draft model, ordinary
+speculative decoding); all but the first carry `speedup_over_hf_generate`.
 A PNG of speedup vs batch size goes to `--png`.
 
     python bench/e2e.py --datastore var/self-outputs/datastore-3000 --png bench/e2e.png
@@ -151,14 +152,18 @@ def start_drafters(loaded: LoadedModel, datastores: set[Path | None]) -> dict[Pa
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
 
 
-def hf_generate_rows(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+def hf_generate_rows(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int,
+                     assistant: LoadedModel | None = None) -> list[dict]:
     """transformers' own generate(), greedy, one prompt at a time: plain, and with its prompt-
-    lookup decoding (`prompt_lookup_num_tokens`), the peer a user of this model would reach for.
-    The two alternate prompt by prompt after one warm-up call each, so the ratio between them is
-    measured side by side."""
+    lookup decoding (`prompt_lookup_num_tokens`), the peer a user of this model would reach for;
+    with `assistant`, also its assisted generation (ordinary speculative decoding with that
+    draft model, `assistant_model`). They alternate prompt by prompt after one warm-up call
+    each, so the ratios between them are measured side by side."""
     model = loaded.model
     kinds = {"hf_generate": {}, "hf_prompt_lookup":
              {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS}}
+    if assistant is not None:
+        kinds["hf_assisted"] = {"assistant_model": assistant.model}
     elapsed = {kind: [] for kind in kinds}
     outputs = {kind: [] for kind in kinds}
     with torch.inference_mode():
@@ -178,10 +183,11 @@ def hf_generate_rows(loaded: LoadedModel, prompts: list[list[int]], max_tokens: 
         rows.append({"mode": kind, "batch": 1, "policy": None,
                      "tok_s": num_tokens / sum(elapsed[kind]), "elapsed_s": sum(elapsed[kind]),
                      "num_tokens": num_tokens, "num_prompts": len(prompts)})
-    plain, lookup = rows
-    lookup["speedup_over_hf_generate"] = lookup["tok_s"] / plain["tok_s"]
-    lookup["same_as_hf_generate"] = sum(a == b for a, b in zip(outputs["hf_prompt_lookup"],
-                                                               outputs["hf_generate"]))
+    plain = rows[0]
+    for row in rows[1:]:
+        row["speedup_over_hf_generate"] = row["tok_s"] / plain["tok_s"]
+        row["same_as_hf_generate"] = sum(a == b for a, b in zip(outputs[row["mode"]],
+                                                                outputs["hf_generate"]))
     return rows
 
 
@@ -249,6 +255,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="where the model runs: cpu (default), cuda, cuda:N, auto")
     parser.add_argument("--hf-prompts", type=int, default=10,
                         help="prompts for the transformers generate() row (0: skip)")
+    parser.add_argument("--hf-assistant", default=None,
+                        help="a draft model (file, directory or `sssd-models list` name, e.g. "
+                        "qwen-coder-0.5b) for a row of transformers' assisted generation")
     parser.add_argument("--profile", type=Path, default=Path("var/forward-profile.json"),
                         help="forward-pass profile of the measured policy (made if missing)")
     parser.add_argument("--chunks", type=int, default=5,
@@ -286,7 +295,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     try:
         if args.hf_prompts:
-            for row in hf_generate_rows(loaded, prompts[: args.hf_prompts], args.max_tokens):
+            assistant = load_causal_lm(args.hf_assistant, args.dtype, args.device) \
+                if args.hf_assistant else None
+            for row in hf_generate_rows(loaded, prompts[: args.hf_prompts], args.max_tokens,
+                                        assistant):
                 row.update(prompt_set=args.set, dtype=args.dtype, device=loaded.device)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
@@ -331,9 +343,9 @@ def main(argv: list[str] | None = None) -> None:
             server.stop(grace=1.0).wait()
             drafter.close()
     main_summary = summaries.get(datastore, {})
-    title = (f"SmolLM2-135M {args.dtype}, {len(prompts)} {args.set} prompts x {args.max_tokens} "
-             f"tokens, greedy\n{main_summary.get('datastore_conversations', '?')} self-output "
-             f"conversations in the datastore")
+    title = (f"{args.model or 'SmolLM2-135M'} {args.dtype}, {len(prompts)} {args.set} prompts x "
+             f"{args.max_tokens} tokens, greedy\ndatastore {datastore.name if datastore else '-'} "
+             f"({main_summary.get('datastore_tokens', 0) / 1e6:.1f} M tokens)")
     plot(rows, args.png, title)
     logger.info("wrote %s", args.png)
 

@@ -38,3 +38,20 @@ def test_the_smallest_run_prints_a_row_per_system(tmp_path, capsys):
 def test_unknown_systems_are_refused():
     with pytest.raises(SystemExit):
         engine_speed.main(["--systems", "engine,sglang"])
+
+
+@pytest.mark.model
+def test_engine_sssd_drafts_from_a_datastore_named_by_a_relative_path(tmp_path, warm_datastore,
+                                                                      monkeypatch):
+    # The workers run in a temporary folder: a relative --datastore once named nothing there,
+    # and engine-sssd drafted from each sequence's own tokens alone (about 1.05 tokens a step).
+    monkeypatch.chdir(Path(warm_datastore).parent)
+    out = tmp_path / "speed.jsonl"
+    engine_speed.main(["--models", "smollm2", "--dtypes", "float32", "--batch-sizes", "1",
+                       "--prompts", "1", "--max-tokens", "24", "--systems", "engine",
+                       "--speculative", "engine-sssd", "--policy", "rule",
+                       "--datastore", Path(warm_datastore).name, "--out", str(out)])
+    rows = {r["system"]: r for r in map(json.loads, out.read_text().splitlines())}
+    # The datastore holds the model's own answer to this prompt: most of it is accepted.
+    assert rows["engine-sssd"]["tokens_per_step"] > 2.0
+    assert rows["engine-sssd"]["identical_to_engine"] is True

@@ -38,6 +38,10 @@ NB_MODULE(_kernels, m) {
     k::linear_bf16(ptr(x), ptr(packed), bias == 0 ? nullptr : ptr(bias), ptr(out), rows,
                    in_features, out_features);
   }, nb::call_guard<nb::gil_scoped_release>());
+  m.def("read_bytes", [](uintptr_t data, int64_t num_bytes) {
+    if (num_bytes % 64 != 0) throw nb::value_error("num_bytes must be a multiple of 64");
+    return k::read_bytes(ptr(data), num_bytes);
+  }, nb::call_guard<nb::gil_scoped_release>(), "Reads the bytes once (a bandwidth probe).");
   m.def("has_amx_bf16", &k::has_amx_bf16);
   m.def("linear_bf16_amx", [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out,
                               int64_t rows, int64_t in_features, int64_t out_features) {

@@ -101,6 +101,12 @@ bool has_amx_bf16();
 void linear_bf16_amx(const void* x, const void* packed, const void* bias, void* out,
                      int64_t rows, int64_t in_features, int64_t out_features);
 
+// Reads num_bytes (a multiple of 64) of `data` once, as the products read their weights (the
+// threads splitting them, 64-byte vectors, prefetched ahead), and returns their bits OR-ed
+// together: what a matrix product's weight stream cannot beat, for the benchmarks' floor.
+// AVX-512 only, like linear_f32.
+uint64_t read_bytes(const void* data, int64_t num_bytes);
+
 // True when this CPU has AVX-512 (linear_f32 runs there only).
 bool has_avx512_fma();
 

@@ -184,6 +184,26 @@ void linear_bf16(const void* x, const void* packed, const void* bias, void* out,
   run_panels(rows, packed_bf16_panels(out_features), num_pairs, kPairBlock, add, finish);
 }
 
+uint64_t read_bytes(const void* data, int64_t num_bytes) {
+  const auto* vectors = static_cast<const __m512i*>(data);
+  const int64_t num_vectors = num_bytes / 64;
+  uint64_t folded = 0;
+#pragma omp parallel reduction(| : folded)
+  {
+    __m512i any = _mm512_setzero_si512();
+#pragma omp for schedule(static)
+    for (int64_t v = 0; v < num_vectors; v += 4) {  // a 256-byte stretch an iteration
+      _mm_prefetch(reinterpret_cast<const char*>(vectors + v) + 2048, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(vectors + v) + 2048 + 128, _MM_HINT_T0);
+      for (int64_t j = v; j < std::min(v + 4, num_vectors); ++j) {
+        any = _mm512_or_si512(any, _mm512_loadu_si512(vectors + j));
+      }
+    }
+    folded |= static_cast<uint64_t>(_mm512_reduce_or_epi64(any));
+  }
+  return folded;
+}
+
 void linear_f32(const float* x, const float* packed, const float* bias, float* out,
                 int64_t rows, int64_t in_features, int64_t out_features) {
   const auto add = [&](int64_t p, int64_t r, int64_t tile, int64_t begin, int64_t end,
