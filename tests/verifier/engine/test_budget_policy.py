@@ -187,6 +187,17 @@ def test_a_measured_larger_budget_caps_what_a_smaller_one_may_cost():
     assert policy.budget(1) == 4
 
 
+def serve(policy, batch_size: int, num_steps: int, paths_of, seconds_of) -> list[int]:
+    """The budgets `policy` chooses over `num_steps` steps whose accepted paths and step time
+    at budget s are `paths_of(s)` and `seconds_of(s)`."""
+    chosen = []
+    for _ in range(num_steps):
+        s = policy.budget(batch_size)
+        chosen.append(s)
+        policy.observe(batch_size, s, paths_of(s), seconds_of(s))
+    return chosen
+
+
 def test_an_overpriced_budget_is_calibrated_a_bounded_number_of_times():
     # The profile says every tree costs 5x plain decoding; in truth all cost the same. Each
     # budget whose rate could beat the best at the cost of a smaller measured one is run
@@ -194,11 +205,8 @@ def test_an_overpriced_budget_is_calibrated_a_bounded_number_of_times():
     profile = ForwardProfile([1], [1, 2, 4, 8], np.array([[0.04, 0.2, 0.2, 0.2]]))
     policy = MeasuredBudget(profile, max_budget=8, prior={1: 0.0, 2: 0.5, 4: 0.9, 8: 2.5},
                             hindsight_every=0)
-    chosen = []
-    for _ in range(40):
-        s = policy.budget(1)
-        chosen.append(s)
-        policy.observe(1, s, [[node for node in (1, 2, 5) if node < s]], 0.04)
+    chosen = serve(policy, 1, 40, lambda s: [[node for node in (1, 2, 5) if node < s]],
+                   lambda s: 0.04)
     assert chosen[:10] == [1, 2, 2, 2, 4, 4, 4, 8, 8, 8]
     assert chosen[10:] == [8] * 30
 
@@ -290,13 +298,9 @@ def test_a_large_batch_unlearns_an_optimistic_prior_within_a_few_steps():
     profile = ForwardProfile([8], [1, 2, 4, 8], np.array([[0.128, 0.132, 0.164, 0.209]]))
     policy = MeasuredBudget(profile, max_budget=8, prior={1: 0.0, 2: 0.2, 4: 0.5, 8: 1.1},
                             hindsight_every=0)
-    chosen = []
-    for step in range(12):
-        s = policy.budget(8)
-        chosen.append(s)
-        # half the rows accept one token (at any budget of 2 and more), the others none
-        paths = [[1] if row % 2 and s > 1 else [] for row in range(8)]
-        policy.observe(8, s, paths, profile.time(8, [1, 2, 4, 8].index(s)))
+    # half the rows accept one token (at any budget of 2 and more), the others none
+    chosen = serve(policy, 8, 12, lambda s: [[1] if row % 2 and s > 1 else [] for row in range(8)],
+                   lambda s: profile.time(8, [1, 2, 4, 8].index(s)))
     assert chosen[0] == 8  # the prior's choice
     assert chosen[2:].count(8) <= 2, chosen  # explored at most, no longer served
     assert policy.expected_accepted[2] == pytest.approx(0.5, abs=0.05)

@@ -14,6 +14,16 @@ pytestmark = pytest.mark.skipif(not _kernels.has_avx512_bf16(),
                                 "in bfloat16")
 
 
+def random_product(rows: int, features: int, outputs: int, with_bias: bool,
+                   dtype: torch.dtype = torch.bfloat16):
+    """x, weight and bias (or None) of a product, drawn from a generator seeded by `rows`."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, features, generator=generator).to(dtype)
+    weight = torch.randn(outputs, features, generator=generator).to(dtype)
+    bias = torch.randn(outputs, generator=generator).to(dtype) if with_bias else None
+    return x, weight, bias
+
+
 def specified(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """out[m, n] in float32, as VDPBF16PS sums it: for each pair of inputs (2t, 2t + 1) in
     order, the odd product added, then the even one (each product exact in float32), then the
@@ -34,10 +44,7 @@ def specified(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     (13, 64, 70, True),
 ])
 def test_every_bit_is_the_specified_sum(rows, features, outputs, with_bias):
-    generator = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, features, generator=generator).bfloat16()
-    weight = torch.randn(outputs, features, generator=generator).bfloat16()
-    bias = torch.randn(outputs, generator=generator).bfloat16() if with_bias else None
+    x, weight, bias = random_product(rows, features, outputs, with_bias)
     got = Linear(weight, bias, "panels")(x)
     assert got.shape == (rows, outputs) and got.dtype == torch.bfloat16
     assert torch.equal(got, specified(x, weight, bias))
@@ -49,10 +56,7 @@ def test_every_bit_is_the_specified_sum(rows, features, outputs, with_bias):
 @pytest.mark.parametrize("rows,features,outputs,with_bias", [
     (1, 96, 64, False), (7, 2100, 130, True), (13, 64, 70, True)])
 def test_float32_is_the_product_to_rounding(rows, features, outputs, with_bias):
-    generator = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, features, generator=generator)
-    weight = torch.randn(outputs, features, generator=generator)
-    bias = torch.randn(outputs, generator=generator) if with_bias else None
+    x, weight, bias = random_product(rows, features, outputs, with_bias, torch.float32)
     got = Linear(weight, bias, "panels")(x)
     assert got.shape == (rows, outputs) and got.dtype == torch.float32
     exact = torch.nn.functional.linear(x.double(), weight.double(),
@@ -104,10 +108,7 @@ amx = pytest.mark.skipif(not _kernels.has_amx_bf16(),
     (37, 96, 200, True),     # two full row groups and a padded third
 ])
 def test_amx_is_the_product_to_bfloat16_rounding(rows, features, outputs, with_bias):
-    generator = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, features, generator=generator).bfloat16()
-    weight = torch.randn(outputs, features, generator=generator).bfloat16()
-    bias = torch.randn(outputs, generator=generator).bfloat16() if with_bias else None
+    x, weight, bias = random_product(rows, features, outputs, with_bias)
     got = Linear(weight, bias, "amx")(x)
     assert got.shape == (rows, outputs) and got.dtype == torch.bfloat16
     # Each sum in float32, rounded once: within a unit in the last place of the exact result.
