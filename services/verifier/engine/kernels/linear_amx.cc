@@ -15,8 +15,9 @@
 // - the sums are four tiles of 16 rows x 16 float32 outputs, kept in the tile registers over
 //   the input pairs of a block and stored to memory between blocks.
 // Rows go 16 at a time; the last group of fewer than 16 rows reads its input tile from a copy
-// padded with zero rows (a tile load reads whole rows: past the end of x it could fault). Inputs go in blocks of kPairBlock pairs,
-// so that further row groups find a block of the panel in the core's cache.
+// padded to a whole tile (a tile load reads whole rows: past the end of x it could fault).
+// Inputs go in blocks of kPairBlock pairs, so that further row groups find a block of the panel
+// in the core's cache.
 //
 // A row's result depends on that row alone: each output row of TDPBF16PS is its input row
 // times the weights, the pairs added in order, whatever the other rows of the tile hold. The
@@ -44,11 +45,6 @@ constexpr int64_t kPanel = 64;          // outputs per panel, as linear_panels.c
 constexpr int64_t kTileRows = 16;       // rows of x per input tile
 constexpr int64_t kTilePairs = 16;      // input pairs per tile (64 bytes of bfloat16)
 constexpr int64_t kPairBlock = 1024;    // input pairs per block: 256 KB of a panel
-// How far ahead of its tile loads the first row group asks for the panel's cache lines. The
-// hardware prefetcher alone kept a 1-row Qwen2.5-Coder-1.5B step at 121 ms median, but at 206
-// ms in its slowest tenth while other tenants loaded the machine; asking 2 KB ahead, 122 and
-// 159 (bench/linear_panels.py's products, taking turns in one process).
-constexpr int64_t kPrefetchAhead = 2048;
 
 // Linux's request for the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
 constexpr int kArchReqXcompPerm = 0x1023;
@@ -146,14 +142,14 @@ void linear_bf16_amx(const void* x, const void* packed, const void* bias, void* 
   const auto* bias_bits = static_cast<const uint16_t*>(bias);
   auto* y = static_cast<uint16_t*>(out);
   const int64_t x_stride = in_features * static_cast<int64_t>(sizeof(uint16_t));
-  // The last group's rows, padded with zero rows to a whole tile, in a buffer of the calling
-  // thread's that stays zero between calls: a decode step copies its one row in and clears it
-  // after, instead of allocating and zeroing a whole tile of rows for every product.
+  // The last group's rows, copied into a whole tile's room in a buffer of the calling thread's
+  // (a decode step copies its one row instead of allocating a tile for every product). What
+  // the rows past them hold does not matter: each row's sums depend on that row alone, and
+  // only the first `rows` are written out.
   thread_local std::vector<uint16_t> padded;
   const int64_t tail_rows = rows - (num_groups - 1) * kTileRows;
   const uint16_t* last_group = x_bits + (num_groups - 1) * kTileRows * in_features;
-  const bool is_padded = tail_rows < kTileRows;
-  if (is_padded) {
+  if (tail_rows < kTileRows) {
     if (padded.size() < static_cast<size_t>(kTileRows * in_features)) {
       padded.assign(static_cast<size_t>(kTileRows * in_features), 0);
     }
@@ -186,7 +182,6 @@ void linear_bf16_amx(const void* x, const void* packed, const void* bias, void* 
     }
     _tile_release();
   }
-  if (is_padded) std::memset(padded.data(), 0, tail_rows * x_stride);
 }
 
 }  // namespace sssd::kernels

@@ -192,10 +192,12 @@ uint64_t read_bytes(const void* data, int64_t num_bytes) {
   {
     __m512i any = _mm512_setzero_si512();
 #pragma omp for schedule(static)
-    for (int64_t v = 0; v < num_vectors; v += 4) {  // a 256-byte stretch an iteration
-      _mm_prefetch(reinterpret_cast<const char*>(vectors + v) + 2048, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(vectors + v) + 2048 + 128, _MM_HINT_T0);
-      for (int64_t j = v; j < std::min(v + 4, num_vectors); ++j) {
+    for (int64_t v = 0; v < num_vectors; v += 4) {  // a 256-byte stretch (4 lines) an iteration
+      const int64_t stretch_end = std::min(v + 4, num_vectors);
+      for (int64_t j = v; j < stretch_end; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(vectors + j) + kPrefetchAhead, _MM_HINT_T0);
+      }
+      for (int64_t j = v; j < stretch_end; ++j) {
         any = _mm512_or_si512(any, _mm512_loadu_si512(vectors + j));
       }
     }
