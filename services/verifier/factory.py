@@ -25,6 +25,7 @@ from sssd.verifier.engine.budget_policy import (
 from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.engine.engine import Engine
 from sssd.verifier.engine.model_runner import ModelRunner
+from sssd.verifier.engine.tree_batch import MAX_TREE_BITS_NODES
 from sssd.verifier.proposers import make_proposer
 
 logger = logging.getLogger(__name__)
@@ -97,9 +98,12 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
     answer's text (serving: streamed text and stop strings); off, it skips that work."""
     loaded = loaded or load_causal_lm(config.model, config.dtype, config.device)
     check_loaded_device(config, loaded)
+    on_gpu = next(loaded.model.parameters()).device.type == "cuda"
     runner = ModelRunner(loaded.model, max_seqs=config.max_batch_size, max_len=config.max_len,
-                         attention=config.attention,
-                         model_impl=config.model_impl)
+                         attention=config.attention, model_impl=config.model_impl,
+                         # every verification at the shape of the largest tree (see ModelRunner)
+                         fixed_nodes=min(config.max_budget, MAX_TREE_BITS_NODES) if on_gpu
+                         else None)
     tokenizer = loaded.tokenizer
 
     def decode(ids: list[int]) -> str:

@@ -99,7 +99,7 @@ def engine_factory(target_model_fp32):
 
 
 def make_engine(loaded, max_batch_size, datastore_dir=None, proposer="inproc", max_budget=16,
-                attention="sdpa", model_impl="auto"):
+                attention="sdpa", model_impl="auto", fixed_nodes=None):
     from sssd.drafter.config import DrafterConfig
     from sssd.drafter.drafter import LocalDrafter
     from sssd.verifier.engine import Engine
@@ -107,7 +107,7 @@ def make_engine(loaded, max_batch_size, datastore_dir=None, proposer="inproc", m
     from sssd.verifier.engine.model_runner import ModelRunner
 
     runner = ModelRunner(loaded.model, max_seqs=max_batch_size, max_len=1024, attention=attention,
-                         model_impl=model_impl)
+                         model_impl=model_impl, fixed_nodes=fixed_nodes)
     drafter = None
     if proposer == "inproc":
         drafter = LocalDrafter(DrafterConfig(datastore_dir=datastore_dir,

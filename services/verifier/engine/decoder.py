@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sssd import _kernels
 from sssd.common.model.kv_cache import SlotKVCache
@@ -59,6 +60,13 @@ class Segment:
     batch: TreeBatch
     first_slot: int
     logits_to_keep: int = 0  # logits for each row's last positions only (0: every node)
+    # The rows every operation of the PyTorch forward runs on (at least the segment's tokens;
+    # the rest are padding): a fixed shape makes each row's result independent of the batch
+    # where the kernels choose their algorithm by shape (CUDA; see ModelRunner.fixed_nodes).
+    num_rows: int = 0
+    # Each node attends over its own keys in text order (TreeBatch.path_keys, path_attention):
+    # with the fixed shape, a tree's node computes what plain decoding computes for its text.
+    by_path: bool = False
 
 
 class UnsupportedModel(ValueError):
@@ -191,6 +199,67 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     attended = torch.matmul(probs.view(num_seqs, num_kv_heads, group * num_nodes, kv_len),
                             values)  # [num_seqs, kv_heads, group * nodes, head_dim]
     return attended.view(num_seqs, num_heads, num_nodes, head_dim)
+
+
+def efficient_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention by PyTorch's memory-efficient kernel alone (on CUDA; elsewhere the default
+    choice), the query heads of a key head stacked as its query rows, so that grouped-query
+    models run without a copy of the keys per query head (the kernel takes no grouped heads).
+
+    Shapes as grouped_attention's. The kernel computes every query row apart, over the keys in
+    blocks of a fixed size, in order: a row's result depends neither on the other rows of its
+    tile nor on how many there are, and masked keys past the row's own add exact zeros. PyTorch's
+    other CUDA kernels do not promise that: the math path's products change algorithm with the
+    shape, and the flash kernel splits the keys by the batch's size."""
+    num_seqs, num_heads, num_nodes, head_dim = q.shape
+    num_kv_heads, kv_len = keys.shape[1], keys.shape[2]
+    group = num_heads // num_kv_heads
+    q = q.reshape(num_seqs, num_kv_heads, group * num_nodes, head_dim)
+    if group > 1:  # query row g * num_nodes + j is node j of query head g of its key head
+        mask = mask.unsqueeze(2).expand(num_seqs, 1, group, num_nodes, kv_len) \
+            .reshape(num_seqs, 1, group * num_nodes, kv_len)
+    if q.is_cuda:
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(num_seqs, num_heads, num_nodes, head_dim)  # CUDA: not contiguous
+
+
+def path_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   positions: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention with every node a sequence of its own: the keys and values at `positions`
+    (TreeBatch.path_keys: the prefix, the node's ancestors and itself, in text order) gathered
+    per node, and its query heads of a key head as the query rows of one kernel call.
+
+    Shapes as grouped_attention's; positions [num_seqs, num_nodes, kv_len], mask [num_seqs *
+    num_nodes, 1, group rows, kv_len] additive. In a tree, a node's ancestors are not where
+    plain decoding has them (node indices, not depths, past the prefix): an attention kernel
+    that sums the keys block by block would add the same terms in another grouping, and round
+    differently. Gathered, the node's keys are at plain decoding's offsets, and its query tile
+    is plain decoding's too (its own query heads, whatever the tree). The cost: a copy of each
+    node's keys and values per layer, small on a GPU at the context lengths of this engine; a
+    kernel that reads the cache by position would make it none."""
+    num_seqs, num_heads, num_nodes, head_dim = q.shape
+    num_kv_heads, kv_len = keys.shape[1], keys.shape[2]
+    group = num_heads // num_kv_heads
+    rows = torch.arange(num_seqs, device=q.device).view(num_seqs, 1, 1)
+
+    def per_node(cache: torch.Tensor) -> torch.Tensor:  # -> [seqs * nodes, kv_heads, kv_len, d]
+        gathered = cache.transpose(1, 2)[rows, positions]  # [seqs, nodes, kv_len, kv_heads, d]
+        return gathered.view(num_seqs * num_nodes, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+
+    q = q.transpose(1, 2).reshape(num_seqs * num_nodes, num_kv_heads, group, head_dim)
+    if q.is_cuda:
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            out = F.scaled_dot_product_attention(q, per_node(keys), per_node(values),
+                                                 attn_mask=mask, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(q, per_node(keys), per_node(values),
+                                             attn_mask=mask, scale=scale)
+    # [seqs * nodes, kv_heads, group, d] -> [seqs, heads, nodes, d]
+    return out.reshape(num_seqs, num_nodes, num_heads, head_dim).transpose(1, 2)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -337,12 +406,15 @@ class Decoder:
         batch = segment.batch
         num_seqs, num_nodes = batch.input_ids.shape
         cache.begin_step(segment.first_slot, num_seqs, batch.write_positions, batch.kv_len)
-        x = self._layers(batch, cache).view(num_seqs, num_nodes, -1)
+        num_tokens = num_seqs * num_nodes
+        x = self._layers(batch, cache, max(segment.num_rows, num_tokens),  # [rows, hidden]
+                         segment.by_path)
         if segment.logits_to_keep:
-            x = x[:, -segment.logits_to_keep:]
-        rows = x.shape[1]
-        x = rms_norm(x.reshape(num_seqs * rows, -1), self.norm, self.eps)
-        return self._head(x).view(num_seqs, rows, self.vocab_size)
+            x = x[:num_tokens].view(num_seqs, num_nodes, -1)[:, -segment.logits_to_keep:]
+            x = x.reshape(-1, x.shape[-1])
+        kept = num_seqs * (segment.logits_to_keep or num_nodes)
+        logits = self._head(rms_norm(x, self.norm, self.eps))  # padding rows too: one shape
+        return logits[:kept].view(num_seqs, -1, self.vocab_size)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """The output head over normed rows x [num_rows, hidden_size]: [num_rows, vocab]."""
@@ -362,20 +434,34 @@ class Decoder:
             self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()
         return self._cos, self._sin
 
-    def _layers(self, batch: TreeBatch, cache: SlotKVCache) -> torch.Tensor:
-        """Every layer as PyTorch operations; returns the hidden states [num_tokens, hidden]."""
+    def _layers(self, batch: TreeBatch, cache: SlotKVCache, num_rows: int,
+                by_path: bool = False) -> torch.Tensor:
+        """Every layer as PyTorch operations, the products and norms on `num_rows` rows (the
+        batch's tokens, then padding that repeats the last token and attends to nothing), the
+        attention per node over its keys in text order when `by_path` (path_attention);
+        returns the hidden states [num_rows, hidden]."""
         num_seqs, num_nodes = batch.input_ids.shape
+        num_tokens = num_seqs * num_nodes
         num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         cos_table, sin_table = self.rotary_tables(cache.capacity)
         # [num_seqs, 1, num_nodes, head_dim]: broadcast over heads
         cos = cos_table[batch.position_ids].unsqueeze(1)
         sin = sin_table[batch.position_ids].unsqueeze(1)
-        mask = batch.attention_mask
-        x = F.embedding(batch.input_ids.reshape(-1), self.embed)  # [num_tokens, hidden_size]
+        if by_path:  # once per step: each node's key positions, its mask per query row
+            positions, path_mask = batch.path_keys()
+            group = num_heads // num_kv_heads
+            path_mask = path_mask.expand(-1, 1, group, -1).contiguous()
+        else:
+            mask = batch.attention_mask
+        ids = batch.input_ids.reshape(-1)
+        if num_rows > num_tokens:
+            ids = torch.cat([ids, ids[-1:].expand(num_rows - num_tokens)])
+        x = F.embedding(ids, self.embed)  # [num_rows, hidden_size]
         q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
+        padding = x.new_zeros(num_rows - num_tokens, q_width) if num_rows > num_tokens else None
         for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(rms_norm(x, layer.input_norm, self.eps))  # [num_tokens, ...]
-            q, k, v = qkv.split((q_width, kv_width, kv_width), dim=-1)
+            qkv = layer.qkv(rms_norm(x, layer.input_norm, self.eps))  # [num_rows, ...]
+            q, k, v = qkv[:num_tokens].split((q_width, kv_width, kv_width), dim=-1)
             # [num_seqs, heads, num_nodes, head_dim]
             q = rotate(q.view(num_seqs, num_nodes, num_heads, head_dim).transpose(1, 2), cos,
                        sin)
@@ -383,13 +469,20 @@ class Decoder:
                        cos, sin)
             v = v.view(num_seqs, num_nodes, num_kv_heads, head_dim).transpose(1, 2)
             keys, values = cache.update(k, v, index)  # [num_seqs, kv_heads, kv_len, head_dim]
-            if self.fused_attention:  # [num_seqs, heads, num_nodes, head_dim]
+            if by_path:  # [num_seqs, heads, num_nodes, head_dim]
+                attended = path_attention(q, keys, values, positions, path_mask, self.scale)
+            elif self.device.type == "cuda":
+                attended = efficient_attention(q, keys, values, mask, self.scale)
+            elif self.fused_attention:
                 attended = F.scaled_dot_product_attention(
                     q, keys, values, attn_mask=mask, scale=self.scale,
                     enable_gqa=num_kv_heads != num_heads)
             else:
                 attended = grouped_attention(q, keys, values, mask, self.scale)
-            x = x + layer.o(attended.transpose(1, 2).reshape(num_seqs * num_nodes, q_width))
+            attended = attended.transpose(1, 2).reshape(num_tokens, q_width)
+            if padding is not None:
+                attended = torch.cat([attended, padding])
+            x = x + layer.o(attended)
             gate, up = layer.gate_up(rms_norm(x, layer.post_norm, self.eps)).split(
                 self.intermediate_size, dim=-1)
             x = x + layer.down(F.silu(gate) * up)

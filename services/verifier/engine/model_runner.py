@@ -19,11 +19,20 @@ from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.model.kv_cache import SlotKVCache
 from sssd.verifier.engine.decoder import Decoder, Segment, UnsupportedModel
 from sssd.verifier.engine.handoff import PrefilledPrompt
-from sssd.verifier.engine.tree_batch import KV_ALIGN, TreeBatch, build_tree_batch, chain_tree
+from sssd.verifier.engine.tree_batch import (
+    KV_ALIGN,
+    MAX_TREE_BITS_NODES,
+    TreeBatch,
+    build_tree_batch,
+    chain_tree,
+)
 
 logger = logging.getLogger(__name__)
 
 MODEL_IMPLS = ("auto", "sssd", "transformers")
+# Nodes per tree of the fixed verification shape on CUDA (ModelRunner's fixed_nodes), unless
+# the engine names its largest budget.
+DEFAULT_FIXED_NODES = 32
 # One Decoder per loaded model: runners that share a model (a prefill and a decode worker in one
 # process, the tests) share its prepacked weights too.
 _decoders: weakref.WeakKeyDictionary[torch.nn.Module, Decoder] = weakref.WeakKeyDictionary()
@@ -58,10 +67,22 @@ class ModelRunner:
     """Owns the KV cache; the batch of running sequences occupies slots [0, num_running)."""
 
     def __init__(self, model: torch.nn.Module, max_seqs: int, max_len: int,
-                 attention: str = "sdpa", model_impl: str = "auto") -> None:
+                 attention: str = "sdpa", model_impl: str = "auto",
+                 fixed_nodes: int | None = None) -> None:
         """`attention`: the transformers forward's attention kernel (EngineConfig.attention). It
         is a setting of the model object, so runners that share one loaded model share it too.
-        `model_impl`: which forward pass (MODEL_IMPLS, see decoder_for)."""
+        `model_impl`: which forward pass (MODEL_IMPLS, see decoder_for).
+
+        `fixed_nodes`: run every verification pass of up to that many nodes per tree at one
+        shape, [max_seqs, fixed_nodes] tokens (padding nodes attend only to themselves; padding
+        rows to nothing), through the verifier's own PyTorch forward. The default: on CUDA,
+        DEFAULT_FIXED_NODES; on the CPU, none (the CPU kernels compute a row the same way
+        whatever the rows beside it). On a GPU the libraries choose a product's algorithm, and
+        with it the order of its sums, by the shape: in bfloat16, a tree verified at another
+        shape than plain decoding's rounds differently, and greedy speculation then leaves plain
+        decoding's tokens (12 of 16 MT-Bench answers on an H100 without it). At one shape every
+        row is computed the same way, so speculation keeps plain decoding's tokens; a GPU step
+        of a small batch costs the weights' reading either way."""
         config = model.config
         self.model = model
         self.decoder = decoder_for(model, model_impl)
@@ -70,18 +91,26 @@ class ModelRunner:
         weight = next(model.parameters())
         # The model's device is the runner's: the cache and every step's tensors go there.
         self.dtype, self.device = weight.dtype, weight.device
+        if fixed_nodes is None and self.device.type == "cuda":
+            fixed_nodes = DEFAULT_FIXED_NODES
+        if fixed_nodes is not None and not 1 <= fixed_nodes <= MAX_TREE_BITS_NODES:
+            raise ValueError(f"fixed_nodes must be in [1, {MAX_TREE_BITS_NODES}], got "
+                             f"{fixed_nodes}")
+        self.fixed_nodes = fixed_nodes if self.decoder is not None else None
         head_dim = getattr(config, "head_dim", None) or \
             config.hidden_size // config.num_attention_heads
         self.cache = SlotKVCache(
             num_layers=config.num_hidden_layers,
             max_seqs=max_seqs,
             num_kv_heads=config.num_key_value_heads,
-            max_len=max_len,
+            # padding nodes are written past a row's last position: room for them at the end
+            max_len=max_len + (self.fixed_nodes or 0),
             head_dim=head_dim,
             dtype=self.dtype,
             device=self.device,
         )
         self.max_len = max_len
+        self._warned_shape = False
         # 1 reproduces the unaligned key length (bench/batch_invariance.py)
         self.kv_align = KV_ALIGN
         self.vocab_size = model.get_output_embeddings().weight.shape[0]  # width of the logits
@@ -108,7 +137,7 @@ class ModelRunner:
             if slot < len(trees):
                 raise ValueError(f"slot {slot} holds a verified row of the same pass")
             self.cache.set_length(slot, 0)
-        segments = [Segment(self._batch(trees, 0), 0)] if trees else []
+        segments = [self._verification(trees)] if trees else []
         segments += [Segment(self._batch([chain_tree(token_ids)], slot), slot, logits_to_keep=1)
                      for slot, token_ids in prompts]
         if self.decoder is not None:
@@ -118,7 +147,8 @@ class ModelRunner:
                        for s in segments]
         for slot, token_ids in prompts:
             self.cache.set_length(slot, len(token_ids))
-        verified = outputs.pop(0) if trees else None
+        # [num_seqs, max_nodes, vocab_size], less any padding nodes of the fixed shape
+        verified = outputs.pop(0)[:, :max(t.num_nodes for t in trees)] if trees else None
         return verified, [logits[0, -1].float() for logits in outputs]
 
     @torch.inference_mode()
@@ -173,9 +203,27 @@ class ModelRunner:
         """
         return self.verify_and_prefill(trees, [])[0]
 
-    def _batch(self, trees: Sequence[DraftTree], first_slot: int) -> TreeBatch:
+    def _batch(self, trees: Sequence[DraftTree], first_slot: int,
+               min_nodes: int = 1) -> TreeBatch:
         cache_lens = [self.cache.lengths[first_slot + row] for row in range(len(trees))]
-        return build_tree_batch(trees, cache_lens, self.dtype, self.kv_align, self.device)
+        return build_tree_batch(trees, cache_lens, self.dtype, self.kv_align, self.device,
+                                min_nodes)
+
+    def _verification(self, trees: Sequence[DraftTree]) -> Segment:
+        """The segment of a verification pass over slots [0, len(trees)): at the fixed shape
+        when there is one and the trees fit it."""
+        nodes = self.fixed_nodes
+        if nodes is None or self.decoder.fused:  # the fused kernels: shape-independent
+            return Segment(self._batch(trees, 0), 0)
+        if max(tree.num_nodes for tree in trees) > nodes:
+            if not self._warned_shape:
+                self._warned_shape = True
+                logger.warning("a draft tree of more than %d nodes: verified at its own shape, "
+                               "where bfloat16 may round differently from plain decoding "
+                               "(raise fixed_nodes to the largest budget)", nodes)
+            return Segment(self._batch(trees, 0), 0)
+        return Segment(self._batch(trees, 0, nodes), 0, num_rows=self.max_seqs * nodes,
+                       by_path=True)
 
     def _forward_transformers(self, batch: TreeBatch, first_slot: int,
                               logits_to_keep: int = 0) -> torch.Tensor:

@@ -36,6 +36,7 @@ class TreeBatch:
     position_ids: torch.Tensor  # [num_seqs, max_nodes] int64
     write_positions: torch.Tensor  # [num_seqs, max_nodes] int64: cache slot of each node
     cache_lens: torch.Tensor  # [num_seqs] int64: tokens already cached per row
+    host_cache_lens: tuple[int, ...]  # the same on the host: building the mask reads no device
     # [num_seqs, max_nodes] int64 bit masks: bit a of node j set when j sees node a (itself, its
     # ancestors; a padding node only itself); None above MAX_TREE_BITS_NODES nodes
     tree_bits: torch.Tensor | None
@@ -50,7 +51,7 @@ class TreeBatch:
         built on first use."""
         num_seqs, max_nodes = self.input_ids.shape
         allowed = np.zeros((num_seqs, max_nodes, self.kv_len), dtype=bool)
-        for row, (tree, cache_len) in enumerate(zip(self.trees, self.cache_lens.tolist())):
+        for row, (tree, cache_len) in enumerate(zip(self.trees, self.host_cache_lens)):
             n = tree.num_nodes
             allowed[row, :, :cache_len] = True
             allowed[row, :n, cache_len : cache_len + n] = ancestor_matrix(tree.parents)
@@ -60,6 +61,45 @@ class TreeBatch:
         mask = torch.zeros((num_seqs, 1, max_nodes, self.kv_len), dtype=self.dtype)
         mask.masked_fill_(torch.from_numpy(~allowed).unsqueeze(1), torch.finfo(self.dtype).min)
         return mask.to(self.input_ids.device, non_blocking=True)
+
+
+    def path_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each node's keys in the order of their text positions: the cached prefix, then its
+        ancestors from the root, then itself (a padding node: the prefix and itself), as cache
+        positions [num_seqs, max_nodes, kv_len] int64 (past the node's own, the position
+        itself, masked), and the additive mask [num_seqs * max_nodes, 1, 1, kv_len] that hides
+        them.
+
+        A node attends over the same sequence of keys as plain decoding of its text does, at
+        the same offsets: the sums of an attention kernel that reduces keys in blocks group
+        them the same way, whatever the tree (see decoder.path_attention)."""
+        num_seqs, max_nodes = self.input_ids.shape
+        kv_len = self.kv_len
+        positions = np.broadcast_to(np.arange(kv_len, dtype=np.int64),
+                                    (num_seqs, max_nodes, kv_len)).copy()
+        seen = np.empty((num_seqs, max_nodes), dtype=np.int64)  # keys each node sees
+        for row, (tree, cache_len) in enumerate(zip(self.trees, self.host_cache_lens)):
+            paths = root_paths(tree.parents)
+            for node in range(max_nodes):
+                path = paths[node] if node < tree.num_nodes else [node]
+                positions[row, node, cache_len:cache_len + len(path)] = \
+                    cache_len + np.asarray(path)
+                seen[row, node] = cache_len + len(path)
+        hidden = np.arange(kv_len)[None, None, :] >= seen[:, :, None]
+        mask = torch.zeros((num_seqs * max_nodes, 1, 1, kv_len), dtype=self.dtype)
+        mask.masked_fill_(torch.from_numpy(hidden.reshape(-1, 1, 1, kv_len)),
+                          torch.finfo(self.dtype).min)
+        device = self.input_ids.device
+        return (torch.from_numpy(positions).to(device, non_blocking=True),
+                mask.to(device, non_blocking=True))
+
+
+def root_paths(parents: np.ndarray) -> list[list[int]]:
+    """Per node, the nodes from the root down to it (itself last)."""
+    paths: list[list[int]] = []
+    for node, parent in enumerate(parents.tolist()):
+        paths.append((paths[parent] if parent >= 0 else []) + [node])
+    return paths
 
 
 def ancestor_matrix(parents: np.ndarray) -> np.ndarray:
@@ -87,12 +127,13 @@ def depths_and_bits(parents: Sequence[int]) -> tuple[list[int], list[int]]:
 
 def build_tree_batch(
     trees: Sequence[DraftTree], cache_lens: Sequence[int], dtype: torch.dtype,
-    kv_align: int = KV_ALIGN, device: torch.device | str = "cpu",
+    kv_align: int = KV_ALIGN, device: torch.device | str = "cpu", min_nodes: int = 1,
 ) -> TreeBatch:
     """`kv_align`: the key length of the step is rounded up to a multiple of it (see KV_ALIGN).
-    `dtype`: of the additive mask, when one is asked for. `device`: where the tensors go."""
+    `dtype`: of the additive mask, when one is asked for. `device`: where the tensors go.
+    `min_nodes`: the fewest nodes per row (padding nodes, as for a row of a smaller tree)."""
     num_seqs = len(trees)
-    max_nodes = max(tree.num_nodes for tree in trees)
+    max_nodes = max(min_nodes, *(tree.num_nodes for tree in trees))
     kv_len = -(-(max(cache_lens) + max_nodes) // kv_align) * kv_align
     lens = np.asarray(cache_lens, dtype=np.int64)  # [num_seqs]
     input_ids = np.empty((num_seqs, max_nodes), dtype=np.int64)
@@ -125,6 +166,7 @@ def build_tree_batch(
         position_ids=on_device(lens[:, None] + depths),
         write_positions=on_device(lens[:, None] + np.arange(max_nodes)),
         cache_lens=on_device(lens),
+        host_cache_lens=tuple(int(n) for n in cache_lens),
         tree_bits=on_device(bits.view(np.int64)) if with_bits else None,
         num_nodes=[tree.num_nodes for tree in trees],
         kv_len=kv_len,

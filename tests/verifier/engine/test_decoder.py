@@ -35,7 +35,9 @@ def compare_runners(model, prompts, variants, rng, steps=((2, 8), (2, 1), (1, 40
     reference = ModelRunner(model, max_seqs=len(prompts), max_len=512, model_impl="transformers")
     runners = []
     for options in variants:
-        runner = ModelRunner(model, max_seqs=len(prompts), max_len=512, model_impl="sssd")
+        options = dict(options)
+        runner = ModelRunner(model, max_seqs=len(prompts), max_len=512, model_impl="sssd",
+                             fixed_nodes=options.pop("fixed_nodes", None))
         runner.decoder = Decoder(model, **options)
         runners.append(runner)
     for slot, prompt in enumerate(prompts):
@@ -70,8 +72,11 @@ def root_path(tree, length):
     return path
 
 
-VARIANTS = [{}, {"fused": False}, {"fused": False, "pack": False}]
-VARIANT_IDS = ["fused-kernels", "torch-ops", "torch-ops-unpacked"]
+# The last: the GPU's fixed verification shape (ModelRunner.fixed_nodes) on the CPU, trees of
+# up to 16 nodes padded to 16 on every slot's row, larger ones at their own shape.
+VARIANTS = [{}, {"fused": False}, {"fused": False, "pack": False},
+            {"fused": False, "pack": False, "fixed_nodes": 16}]
+VARIANT_IDS = ["fused-kernels", "torch-ops", "torch-ops-unpacked", "torch-ops-fixed-shape"]
 
 
 def test_served_model_matches_transformers_in_float32(target_model_fp32, mt_bench_prompts):

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
+from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.model.loader import load_causal_lm
 from sssd.verifier.engine import EngineConfig, GenerateRequest, SamplingParams
+from sssd.verifier.engine.decoder import Decoder
+from sssd.verifier.engine.model_runner import ModelRunner
 from sssd.verifier.factory import build_engine
 
 from support.devices import DEVICES, HAS_CUDA
@@ -122,6 +126,64 @@ def test_a_decode_step_reads_back_once_whatever_its_rows_and_nodes(device, monke
     # Not vacuous: one row of 2-node trees against four rows of trees up to 16 nodes.
     assert max(small_budgets) == 2 and max(large_budgets) >= 8
     assert set(small_counts) == {1} and set(large_counts) == {1}, (small_counts, large_counts)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bfloat16_speculation_at_the_fixed_shape_equals_plain_decoding(device, target_model_bf16,
+                                                                       mt_bench_prompts,
+                                                                       warm_datastore):
+    """The fixed verification shape (every pass of an engine [max_seqs, fixed_nodes] tokens):
+    CUDA's default, where products and attention at another shape round differently in
+    bfloat16; on the CPU through the PyTorch forward (the fused kernels need no fixed shape)."""
+    loaded = target_model_bf16 if device == "cpu" else load_causal_lm(None, "bfloat16", device)
+
+    def engine(batch_size, proposer="inproc"):
+        engine, drafter = make_engine(loaded, batch_size, warm_datastore, proposer=proposer,
+                                      fixed_nodes=16 if device == "cpu" else None)
+        if device == "cpu":
+            engine.runner.decoder = Decoder(loaded.model, fused=False, pack=False)
+        else:
+            assert engine.runner.fixed_nodes is not None  # the default on CUDA
+        return engine, drafter
+
+    prompts = mt_bench_prompts[:4]
+    for batch_size in (1, 4):  # the shape is the engine's: [its max batch size, fixed_nodes]
+        plain, _ = engine(batch_size, proposer=None)
+        reference = plain.generate(prompts, max_tokens=40)
+        # A request's answer does not depend on the requests beside it.
+        assert plain.generate(prompts[-1:], max_tokens=40) == reference[-1:]
+        speculative, drafter = engine(batch_size)
+        try:
+            assert speculative.generate(prompts, max_tokens=40) == reference, batch_size
+        finally:
+            drafter.close()
+        assert speculative.stats.mean_accepted_per_step > 1.3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_at_the_fixed_shape_a_tree_node_gets_plain_decodings_logits_to_the_bit(
+        device, target_model_bf16, mt_bench_prompts):
+    """In bfloat16: a node whose ancestors are not the nodes before it (a sibling branch sits
+    between them) against plain decoding of the same text, one token per step."""
+    loaded = target_model_bf16 if device == "cpu" else load_causal_lm(None, "bfloat16", device)
+
+    def runner():
+        runner = ModelRunner(loaded.model, max_seqs=2, max_len=512, fixed_nodes=8)
+        if device == "cpu":
+            runner.decoder = Decoder(loaded.model, fused=False, pack=False)
+        return runner
+
+    tree_runner, plain_runner = runner(), runner()
+    root = int(tree_runner.prefill(0, mt_bench_prompts[0]).argmax())
+    plain_runner.prefill(0, mt_bench_prompts[0])
+    tokens, parents = [root, 1234, 2345, 3456, 4567], [-1, 0, 0, 2, 3]  # 1 beside 2 -> 3 -> 4
+    logits = tree_runner.verify([DraftTree(np.array(tokens, np.int32),
+                                           np.array(parents, np.int32))])[0]
+    for node in (0, 2, 3, 4):  # the path root -> 2 -> 3 -> 4, a token a step
+        alone = plain_runner.verify([DraftTree(np.array([tokens[node]], np.int32),
+                                               np.array([-1], np.int32))])[0, 0]
+        plain_runner.commit([[]])
+        assert torch.equal(logits[node], alone), node
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="CUDA's synchronisation debug mode needs a GPU")
