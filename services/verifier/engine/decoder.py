@@ -209,9 +209,9 @@ def efficient_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
     Shapes as grouped_attention's. The kernel computes every query row apart, over the keys in
     blocks of a fixed size, in order: a row's result depends neither on the other rows of its
-    tile nor on how many there are, and masked keys past the row's own add exact zeros. PyTorch's
-    other CUDA kernels do not promise that: the math path's products change algorithm with the
-    shape, and the flash kernel splits the keys by the batch's size."""
+    tile nor on how many there are, and masked keys past the row's own add exact zeros. The
+    other choices do not promise that: the math path's products change algorithm with the shape,
+    and the flash kernel takes no mask."""
     num_seqs, num_heads, num_nodes, head_dim = q.shape
     num_kv_heads, kv_len = keys.shape[1], keys.shape[2]
     group = num_heads // num_kv_heads

@@ -80,9 +80,11 @@ class ModelRunner:
         whatever the rows beside it). On a GPU the libraries choose a product's algorithm, and
         with it the order of its sums, by the shape: in bfloat16, a tree verified at another
         shape than plain decoding's rounds differently, and greedy speculation then leaves plain
-        decoding's tokens (12 of 16 MT-Bench answers on an H100 without it). At one shape every
-        row is computed the same way, so speculation keeps plain decoding's tokens; a GPU step
-        of a small batch costs the weights' reading either way."""
+        decoding's tokens (12 of 16 MT-Bench answers on an H100 without it). At one shape a
+        row's products and norms are computed the same way in plain decoding and in any tree,
+        and each node attends over its own keys in text order (decoder.path_attention); what
+        has been checked on a GPU is in docs/services/verifier.md. A GPU step of a small batch
+        costs the weights' reading either way."""
         config = model.config
         self.model = model
         self.decoder = decoder_for(model, model_impl)
