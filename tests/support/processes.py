@@ -28,12 +28,19 @@ def wait_until():
 
 @pytest.fixture(scope="session")
 def free_port():
-    """free_port(): a TCP port on 127.0.0.1 that nothing listens on right now."""
+    """free_port(): a TCP port on 127.0.0.1 that nothing listens on right now, never one it
+    gave before in this session (the OS may hand a just-closed port out again: two services of
+    one test then got the same port, which `sssd up` refuses)."""
+    given = set()
 
     def pick():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in given:
+                given.add(port)
+                return port
 
     return pick
 
