@@ -201,6 +201,16 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return attended.view(num_seqs, num_heads, num_nodes, head_dim)
 
 
+def _memory_efficient_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """PyTorch's fused attention, on CUDA by its memory-efficient kernel alone (see
+    efficient_attention); elsewhere PyTorch's own choice."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+
+
 def efficient_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                         mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention by PyTorch's memory-efficient kernel alone (on CUDA; elsewhere the default
@@ -219,11 +229,7 @@ def efficient_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     if group > 1:  # query row g * num_nodes + j is node j of query head g of its key head
         mask = mask.unsqueeze(2).expand(num_seqs, 1, group, num_nodes, kv_len) \
             .reshape(num_seqs, 1, group * num_nodes, kv_len)
-    if q.is_cuda:
-        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-    else:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    out = _memory_efficient_sdpa(q, keys, values, mask, scale)
     return out.reshape(num_seqs, num_heads, num_nodes, head_dim)  # CUDA: not contiguous
 
 
@@ -251,13 +257,7 @@ def path_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         return gathered.view(num_seqs * num_nodes, kv_len, num_kv_heads, head_dim).transpose(1, 2)
 
     q = q.transpose(1, 2).reshape(num_seqs * num_nodes, num_kv_heads, group, head_dim)
-    if q.is_cuda:
-        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-            out = F.scaled_dot_product_attention(q, per_node(keys), per_node(values),
-                                                 attn_mask=mask, scale=scale)
-    else:
-        out = F.scaled_dot_product_attention(q, per_node(keys), per_node(values),
-                                             attn_mask=mask, scale=scale)
+    out = _memory_efficient_sdpa(q, per_node(keys), per_node(values), mask, scale)
     # [seqs * nodes, kv_heads, group, d] -> [seqs, heads, nodes, d]
     return out.reshape(num_seqs, num_nodes, num_heads, head_dim).transpose(1, 2)
 

@@ -205,9 +205,7 @@ uint64_t read_bytes(const void* data, int64_t num_bytes) {
 #pragma omp for schedule(static)
     for (int64_t v = 0; v < num_vectors; v += 4) {  // a 256-byte stretch (4 lines) an iteration
       const int64_t stretch_end = std::min(v + 4, num_vectors);
-      for (int64_t j = v; j < stretch_end; ++j) {
-        _mm_prefetch(reinterpret_cast<const char*>(vectors + j) + kPrefetchAhead, _MM_HINT_T0);
-      }
+      prefetch_ahead(vectors + v);  // the stretch's 4 lines, as the products ask for theirs
       for (int64_t j = v; j < stretch_end; ++j) {
         any = _mm512_or_si512(any, _mm512_loadu_si512(vectors + j));
       }
