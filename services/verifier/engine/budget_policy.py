@@ -249,7 +249,7 @@ class MeasuredBudget:
                 self.expected_accepted[s] = float(prior[s])
                 self._weights[s] = PRIOR_WEIGHT
         self.observed_seconds: dict[tuple[int, int], float] = {}  # (b, s) -> estimate
-        self._confirmed: set[tuple[int, int]] = set()  # first step agreed with the profile
+        self._confirmed_at: set[int] = set()  # batch sizes where a tree's first step agreed
         self._overpriced_at: set[int] = set()  # batch sizes where a step beat the profile
         self._seconds_weights: dict[tuple[int, int], int] = {}  # steps behind each estimate
         self._recent_seconds: dict[tuple[int, int], deque[float]] = {}  # last observed steps
@@ -312,9 +312,7 @@ class MeasuredBudget:
         return self._num_observed(batch_size, budget) >= CALIBRATION_STEPS
 
     def _profile_trusted(self, batch_size: int) -> bool:
-        # A plain step (budget 1) says nothing of what a tree costs, so a tree must confirm it.
-        return batch_size not in self._overpriced_at and \
-            any(b == batch_size and s > 1 for b, s in self._confirmed)
+        return batch_size in self._confirmed_at and batch_size not in self._overpriced_at
 
     def _to_calibrate(self, batch_size: int, seconds: list[float],
                       best_rate: float) -> int | None:
@@ -348,30 +346,29 @@ class MeasuredBudget:
 
     def _learn_seconds(self, batch_size: int, budget: int, step_s: float) -> None:
         key = (batch_size, budget)
+        index = next((j for j, s in self.candidates if s == budget), None)
+        profiled = None if index is None else self.profile.time(batch_size, index)
         old_seconds = self.observed_seconds.get(key)
         if old_seconds is None:
             # The profile's time is the prior, worth PROFILE_WEIGHT steps: one slow step (the
             # first tree of a shape, a busy moment) must not price a budget out for good.
-            index = next((j for j, s in self.candidates if s == budget), None)
-            old_seconds = step_s if index is None else self.profile.time(batch_size, index)
-            self._seconds_weights[key] = 0 if index is None else PROFILE_WEIGHT
-            if index is not None:
-                if abs(step_s - old_seconds) <= PROFILE_AGREES * old_seconds:
-                    self._confirmed.add(key)
-                elif step_s < old_seconds:
-                    self._overpriced_at.add(batch_size)
+            old_seconds = step_s if profiled is None else profiled
+            self._seconds_weights[key] = 0 if profiled is None else PROFILE_WEIGHT
+            # A plain step (budget 1) says nothing of what a tree costs: a tree must confirm.
+            if profiled is not None and budget > 1 and \
+                    abs(step_s - profiled) <= PROFILE_AGREES * profiled:
+                self._confirmed_at.add(batch_size)
         self._seconds_weights[key] += 1
         recent = self._recent_seconds.setdefault(key, deque(maxlen=RECENT_STEPS))
         recent.append(step_s)
         if len(recent) >= CALIBRATION_STEPS:
-            self.observed_seconds[key] = float(np.median(recent))
-            index = next((j for j, s in self.candidates if s == budget), None)
-            if index is not None and self.observed_seconds[key] < \
-                    (1.0 - PROFILE_AGREES) * self.profile.time(batch_size, index):
-                self._overpriced_at.add(batch_size)
+            self.observed_seconds[key] = seen = float(np.median(recent))
         else:  # the profile's time still counts: one slow first step must not decide
             rate = 1.0 / self._seconds_weights[key]
             self.observed_seconds[key] = old_seconds + rate * (step_s - old_seconds)
+            seen = step_s if len(recent) == 1 else None  # the first step, or no verdict yet
+        if profiled is not None and seen is not None and seen < (1.0 - PROFILE_AGREES) * profiled:
+            self._overpriced_at.add(batch_size)
 
     def draft_budget(self, batch_size: int, budget: int) -> int:
         largest = self.candidates[-1][1]

@@ -102,9 +102,10 @@ void linear_bf16_amx(const void* x, const void* packed, const void* bias, void* 
                      int64_t rows, int64_t in_features, int64_t out_features);
 
 // How far ahead of its loads a weight stream asks for cache lines (the AMX products' first row
-// group, the AVX-512 panels, read_bytes). The hardware prefetcher alone kept a 1-row Qwen2.5-Coder-1.5B step's AMX
-// products at 121 ms median, but at 206 ms in its slowest tenth while other tenants loaded the
-// machine; asking 2 KB ahead, 122 and 159 (bench/linear_panels.py, taking turns in one process).
+// group, the AVX-512 panels, read_bytes). The hardware prefetcher alone kept a 1-row
+// Qwen2.5-Coder-1.5B step's AMX products at 121 ms median, but at 206 ms in its slowest tenth
+// while other tenants loaded the machine; asking 2 KB ahead, 122 and 159 (bench/linear_panels.py,
+// taking turns in one process).
 constexpr int64_t kPrefetchAhead = 2048;
 
 // Reads num_bytes (a multiple of 64) of `data` once, as the products read their weights (the
