@@ -90,6 +90,24 @@ def _amx_usable(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16 and _kernels.has_amx_bf16()
 
 
+def argmax_last(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1), the same indices (the first maximum; a NaN counts as the maximum),
+    by sssd._kernels.argmax_rows where the logits are a CPU tensor of float32 or bfloat16 whose
+    last dimension is contiguous: torch's argmax scans a bfloat16 row without vectorizing (2.1
+    ms of a 25 ms step of SmolLM2 at b = 8 with trees of 2 nodes; 16 ms with trees of 16)."""
+    code = DTYPE_CODES.get(logits.dtype)
+    if logits.device.type != "cpu" or code is None or logits.dim() == 0 or \
+            logits.shape[-1] == 0 or logits.stride(-1) != 1:
+        return logits.argmax(-1)
+    rows = logits.reshape(-1, logits.shape[-1])  # a view where the rows are evenly strided
+    if rows.stride(0) != rows.shape[1]:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    if rows.shape[0]:
+        _kernels.argmax_rows(rows.data_ptr(), rows.shape[0], rows.shape[1], code, out.data_ptr())
+    return out.reshape(logits.shape[:-1])
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """weight [out_features, in_features] as the panels of 64 outputs of sssd._kernels'
     products, the last panel's missing outputs zero: bfloat16 (linear_bf16) [num_panels,

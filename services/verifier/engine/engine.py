@@ -27,6 +27,7 @@ from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.drafting.proposer import Proposer
 from sssd.verifier.engine.acceptance import AcceptResult, accept_greedy, draws_at_positions
 from sssd.verifier.engine.budget_policy import BudgetPolicy
+from sssd.verifier.engine.decoder import argmax_last
 from sssd.verifier.engine.detokenizer import Decode, IncrementalDetokenizer, find_stop
 from sssd.verifier.engine.drafting import Drafting, Drafts
 from sssd.verifier.engine.handoff import PrefilledPrompt
@@ -213,7 +214,7 @@ class Engine:
 
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
         if seq.request.sampling.is_greedy:
-            return int(logits.argmax())
+            return int(argmax_last(logits))
         probs = target_probs(logits.unsqueeze(0), seq.request.sampling)  # [1, vocab_size]
         uniforms = position_uniforms(seq.seed, [len(seq.output_ids)])  # [1]
         return int(sample_with_uniforms(probs, uniforms)[0])
@@ -234,7 +235,7 @@ class Engine:
         the logits' device for the whole batch, and comes to the host in one transfer: the
         step's only read-back, whatever the number of rows and nodes."""
         num_seqs, max_nodes = logits.shape[:2]
-        chosen = logits.argmax(-1) if any(seq.request.sampling.is_greedy for seq in running) \
+        chosen = argmax_last(logits) if any(seq.request.sampling.is_greedy for seq in running) \
             else torch.zeros((num_seqs, max_nodes), dtype=torch.int64, device=logits.device)
         for row, (seq, tree) in enumerate(zip(running, trees)):  # [num_seqs, max_nodes]
             if not seq.request.sampling.is_greedy:

@@ -216,3 +216,30 @@ def test_rope_and_store_rotates_and_writes_the_cache(dtype):
     written = key_cache.abs().sum(dim=(1, 3)) > 0  # [slots, capacity]
     assert written.sum().item() == num_seqs * num_nodes  # nothing else touched
     assert not written[0].any() and not written[3].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("vocab", [1, 17, 100, 49152, 151936])  # odd tails; both models' rows
+def test_argmax_gives_torchs_indices(portable, dtype, vocab):
+    """Greedy verification's token per node: the same index as torch.argmax on every row, ties
+    to the first maximum, a NaN counted as the maximum (its first), -0.0 equal to 0.0, and
+    bfloat16 logits read as torch reads them."""
+    from sssd.verifier.engine.decoder import argmax_last
+
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, 3, vocab, generator=generator).to(dtype)
+    cases = [logits, logits[0, 0], logits[:, 1:]]  # rows, one row, a strided view of rows
+    tied = logits.clone()
+    tied[..., vocab // 2] = 7.0
+    tied[..., vocab // 3] = 7.0  # the first of the two maxima wins
+    cases.append(tied)
+    with_nan = tied.clone()
+    with_nan[:2, :, vocab - 1] = float("nan")
+    with_nan[:1, :, vocab // 4] = float("nan")
+    cases.append(with_nan)
+    zeros = torch.zeros(4, vocab, dtype=dtype)
+    zeros[:, vocab // 2] = -0.0
+    cases += [zeros, torch.full((3, vocab), float("-inf"), dtype=dtype)]
+    for case in cases:
+        got = argmax_last(case)
+        assert got.dtype == torch.int64 and torch.equal(got, case.argmax(-1))

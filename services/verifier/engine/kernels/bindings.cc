@@ -29,7 +29,8 @@ NB_MODULE(_kernels, m) {
   m.attr("MAX_TREE_NODES") = k::kMaxTreeNodes;
   m.def("has_avx512", &k::has_avx512);
   m.def("set_portable", &k::set_portable, "portable"_a,
-        "Turns the AVX-512 attention off (True) or back on; returns the previous setting.");
+        "Turns the AVX-512 attention and argmax off (True) or back on; returns the previous "
+        "setting.");
   m.def("num_threads", &k::num_threads, "OpenMP threads of the parallel loops.");
   m.def("has_avx512_bf16", &k::has_avx512_bf16);
   m.def("packed_bf16_panels", &k::packed_bf16_panels, "out_features"_a);
@@ -42,6 +43,11 @@ NB_MODULE(_kernels, m) {
     if (num_bytes % 64 != 0) throw nb::value_error("num_bytes must be a multiple of 64");
     return k::read_bytes(ptr(data), num_bytes);
   }, nb::call_guard<nb::gil_scoped_release>(), "Reads the bytes once (a bandwidth probe).");
+  m.def("argmax_rows", [](uintptr_t x, int64_t rows, int64_t cols, int32_t dtype,
+                          uintptr_t out) {
+    k::argmax_rows(ptr(x), rows, cols, dtype_of(dtype), static_cast<int64_t*>(ptr(out)));
+  }, nb::call_guard<nb::gil_scoped_release>(),
+        "out[r] (int64) = the first index of row r's maximum, as torch.argmax.");
   m.def("has_amx_bf16", &k::has_amx_bf16);
   m.def("linear_bf16_amx", [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out,
                               int64_t rows, int64_t in_features, int64_t out_features) {

@@ -86,4 +86,8 @@ struct AttentionProblem {
 // other than 64 or 128): the caller then runs the portable one.
 bool attend_avx512(const AttentionProblem& problem, int64_t s, int64_t g);
 
+// The index of the first maximum of row [cols] of `dtype` (a NaN counts as the maximum), with
+// AVX-512 (argmax_avx512.cc); as argmax_rows' portable loop.
+int64_t argmax_avx512(const void* row, int64_t cols, Dtype dtype);
+
 }  // namespace sssd::kernels::detail
