@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -43,10 +44,9 @@ FAR_EXPLORE_FACTOR = 8  # how much more rarely
 # moves it within a few steps.
 CALIBRATION_STEPS = 3
 RECENT_STEPS = 9
-# A budget's first observed step within this fraction of its profiled time confirms the profile
-# there. Once a tree's step has confirmed it at a batch size and no step there ran faster than
-# it, the profile is trusted there: a budget not yet calibrated is assumed to cost at most this
-# much less than profiled, not as little as the largest smaller one.
+# Once trees have run, a budget not yet calibrated at a batch size is assumed to cost at least its
+# profiled time times the median ratio of observed to profiled time of the trees' (batch size,
+# budget)s so far, less this fraction: the profile's shape is believed, its scale is measured.
 PROFILE_AGREES = 0.15
 CALIBRATED_EXPLORE_FACTOR = 4  # a calibrated neighbour is explored this much more rarely
 SAME_COST = 1.02  # step times within 2 % count as the same cost
@@ -118,9 +118,15 @@ class ForwardProfile:
         self.batches = list(batches)
         self.budgets = list(budgets)
         self.seconds = np.asarray(seconds, dtype=np.float64)  # [num_batches, num_budgets]
+        self._times: dict[tuple[int, int], float] = {}
 
     def time(self, batch_size: int, budget_index: int) -> float:
-        return float(np.interp(batch_size, self.batches, self.seconds[:, budget_index]))
+        key = (batch_size, budget_index)
+        seconds = self._times.get(key)
+        if seconds is None:  # a policy asks every step: interpolate once per cell
+            seconds = self._times[key] = float(
+                np.interp(batch_size, self.batches, self.seconds[:, budget_index]))
+        return seconds
 
     @classmethod
     def measure(cls, forward: Callable[[int, int], float], batches: Sequence[int] = DEFAULT_BATCHES,
@@ -196,13 +202,16 @@ class MeasuredBudget:
     lower bound would beat the best is run (the smallest such first) until it has them. A
     profile that overprices budgets (one taken while the machine was busy) is thus corrected
     within a few dozen steps, at a bounded cost: each (b, s_q) is calibrated at most
-    CALIBRATION_STEPS times. A profile that the steps confirm costs less to check: at a batch
-    size where a tree's first step came within PROFILE_AGREES of its profiled time and no step
-    ran faster than that, the lower bound of a budget not yet calibrated is its profiled time
-    less PROFILE_AGREES (or the floor, if more), so that a budget the profile
-    prices at six plain steps (a tree of 32 in float32 on a CPU) is not run to find out what
-    the profile already said. (Measured on Qwen2.5-Coder-1.5B in float32 at b = 4, 50 steps:
-    one calibration step at budget 32 cost 2.0 s, against 0.35 s for the best budget's.)
+    CALIBRATION_STEPS times. What the trees' steps showed of the profile tightens that bound:
+    once a tree has run, at any batch size, a budget not yet calibrated costs at least its
+    profiled time times the median observed-to-profiled ratio of the trees' (batch size, budget)s
+    so far, less PROFILE_AGREES (or the floor, if more). A profile taken on a busy machine is
+    thus rescaled by its first trees, and a profile the steps confirm is not second-guessed:
+    a budget it prices at six plain steps (a tree of 32 in float32 on a CPU) is not run to find
+    out what it already said (measured on Qwen2.5-Coder-1.5B in float32 at b = 4, 50 steps: one
+    calibration step at budget 32 cost 2.0 s, against 0.35 s for the best budget's), and a batch
+    size first met as a batch drains is not calibrated afresh at every large budget (SmolLM2 in
+    bfloat16 at b = 8 spent 59 of 359 steps calibrating at b = 1 to 8 before).
 
     The estimates start from a prior (acceptance statistics saved by an earlier run, else
     DEFAULT_ACCEPTANCE_PRIOR), which counts as PRIOR_WEIGHT rows: a fresh server speculates
@@ -249,8 +258,10 @@ class MeasuredBudget:
                 self.expected_accepted[s] = float(prior[s])
                 self._weights[s] = PRIOR_WEIGHT
         self.observed_seconds: dict[tuple[int, int], float] = {}  # (b, s) -> estimate
-        self._confirmed_at: set[int] = set()  # batch sizes where a tree's first step agreed
-        self._overpriced_at: set[int] = set()  # batch sizes where a step beat the profile
+        # (b, s) -> median of its recent steps / its profiled time; the median of the trees'
+        self._ratios: dict[tuple[int, int], float] = {}
+        self._tree_ratio: float | None = None
+        self._calibrated_batches: dict[int, set[int]] = {}  # s -> batch sizes calibrated at s
         self._seconds_weights: dict[tuple[int, int], int] = {}  # steps behind each estimate
         self._recent_seconds: dict[tuple[int, int], deque[float]] = {}  # last observed steps
         self._num_calls = 0
@@ -265,7 +276,8 @@ class MeasuredBudget:
         if unobserved:
             return max(unobserved)  # one step there measures every smaller budget too
 
-        seconds = [self.observed_seconds.get((batch_size, s), self.profile.time(batch_size, j))
+        seconds = [self.observed_seconds[(batch_size, s)] if (batch_size, s) in
+                   self.observed_seconds else self._expected_seconds(batch_size, j, s)
                    for j, s in self.candidates]
         # A smaller budget costs at most what a larger one was measured to cost: a profile
         # that overprices it must not keep it out until it is explored.
@@ -311,21 +323,23 @@ class MeasuredBudget:
     def _calibrated(self, batch_size: int, budget: int) -> bool:
         return self._num_observed(batch_size, budget) >= CALIBRATION_STEPS
 
-    def _profile_trusted(self, batch_size: int) -> bool:
-        return batch_size in self._confirmed_at and batch_size not in self._overpriced_at
-
     def _to_calibrate(self, batch_size: int, seconds: list[float],
                       best_rate: float) -> int | None:
         """The smallest budget not yet calibrated at this batch size whose rate would beat
         `best_rate` at its lowest possible cost: the cost of the largest smaller budget observed
-        here (step costs do not fall as budgets grow), or, where the profile is trusted, its
-        profiled cost less PROFILE_AGREES if that is more."""
-        trusted = self._profile_trusted(batch_size)
+        here (step costs do not fall as budgets grow), or, once trees have run, its profiled
+        cost rescaled by the trees' median ratio less PROFILE_AGREES if that is more."""
         floor = None  # the estimated cost of the largest smaller budget observed so far
-        for (_, s), t in zip(self.candidates, seconds):
+        for (j, s), t in zip(self.candidates, seconds):
             observed = self._num_observed(batch_size, s)
             if not self._calibrated(batch_size, s) and floor is not None and floor < t:
-                lowest = max(floor, (1.0 - PROFILE_AGREES) * t) if trusted else floor
+                lowest = floor
+                if s in self._calibrated_batches:
+                    lowest = max(floor, (1.0 - PROFILE_AGREES) * self._expected_seconds(
+                        batch_size, j, s))
+                elif self._tree_ratio is not None:
+                    lowest = max(floor, (1.0 - PROFILE_AGREES) * self._tree_ratio *
+                                 self.profile.time(batch_size, j))
                 optimistic = (1.0 + self.expected_accepted[s]) / lowest
                 if optimistic > (1.0 + self.tie_tolerance) * best_rate:
                     return s
@@ -344,31 +358,46 @@ class MeasuredBudget:
                 break
             self._learn_acceptance(s, accepted_nodes)
 
+    def _expected_seconds(self, batch_size: int, index: int, budget: int) -> float:
+        """What (batch_size, budget) should cost before its own steps tell: its profiled time,
+        rescaled by what the profile was off by for the same budget where it was calibrated
+        (at the nearest batch size, the larger of two as near)."""
+        profiled = self.profile.time(batch_size, index)
+        seen = self._calibrated_batches.get(budget)
+        if not seen:
+            return profiled
+        nearest = min(seen, key=lambda b: (abs(b - batch_size), -b))
+        return profiled * self._ratios[(nearest, budget)]
+
     def _learn_seconds(self, batch_size: int, budget: int, step_s: float) -> None:
         key = (batch_size, budget)
         index = next((j for j, s in self.candidates if s == budget), None)
         profiled = None if index is None else self.profile.time(batch_size, index)
         old_seconds = self.observed_seconds.get(key)
         if old_seconds is None:
-            # The profile's time is the prior, worth PROFILE_WEIGHT steps: one slow step (the
+            # The expected time is the prior, worth PROFILE_WEIGHT steps: one slow step (the
             # first tree of a shape, a busy moment) must not price a budget out for good.
-            old_seconds = step_s if profiled is None else profiled
+            old_seconds = step_s if index is None else \
+                self._expected_seconds(batch_size, index, budget)
             self._seconds_weights[key] = 0 if profiled is None else PROFILE_WEIGHT
-            # A plain step (budget 1) says nothing of what a tree costs: a tree must confirm.
-            if profiled is not None and budget > 1 and \
-                    abs(step_s - profiled) <= PROFILE_AGREES * profiled:
-                self._confirmed_at.add(batch_size)
         self._seconds_weights[key] += 1
         recent = self._recent_seconds.setdefault(key, deque(maxlen=RECENT_STEPS))
         recent.append(step_s)
+        median = statistics.median(recent)  # a few values: numpy's call costs more
         if len(recent) >= CALIBRATION_STEPS:
-            self.observed_seconds[key] = seen = float(np.median(recent))
+            self.observed_seconds[key] = median
         else:  # the profile's time still counts: one slow first step must not decide
             rate = 1.0 / self._seconds_weights[key]
             self.observed_seconds[key] = old_seconds + rate * (step_s - old_seconds)
-            seen = step_s if len(recent) == 1 else None  # the first step, or no verdict yet
-        if profiled is not None and seen is not None and seen < (1.0 - PROFILE_AGREES) * profiled:
-            self._overpriced_at.add(batch_size)
+        if profiled is None:
+            return
+        self._ratios[key] = median / profiled
+        if len(recent) >= CALIBRATION_STEPS:
+            self._calibrated_batches.setdefault(budget, set()).add(batch_size)
+        # A plain step (budget 1) says nothing of what a tree costs: only trees rescale the
+        # profile of other budgets (one taken under load may be right at 1 and off above it).
+        if budget > 1:
+            self._tree_ratio = statistics.median(r for (_, s), r in self._ratios.items() if s > 1)
 
     def draft_budget(self, batch_size: int, budget: int) -> int:
         largest = self.candidates[-1][1]
@@ -390,14 +419,18 @@ class MeasuredBudget:
     def _learn_acceptance(self, s: int, accepted_nodes: Sequence[Sequence[int]]) -> None:
         """What a tree of budget s, the first s nodes, accepted: each path cut at its first
         node >= s (indices grow along a path)."""
-        mean = float(np.mean([sum(1 for node in path if node < s) for path in accepted_nodes]))
-        # A running mean while few rows are behind the estimate, then a moving average. Each
-        # row is one observation: a step of 8 rows moves the estimate as 8 steps of one would,
-        # so a large batch does not serve dozens of steps at a prior's budget that its own
-        # trees already contradict.
+        mean = sum(sum(1 for node in path if node < s) for path in accepted_nodes) / \
+            len(accepted_nodes)
+        # A running mean over rows while few are behind the estimate: a step of 8 rows weighs
+        # as 8 steps of one, so a large batch does not serve dozens of steps at a prior's
+        # budget that its own trees already contradict. Then a moving average over steps, each
+        # step's mean one observation: a batch's acceptance changes as its prompts come and go,
+        # not row by row, and a memory of 1 / decay rows (2.5 steps at b = 8) chased the
+        # noise of a few rows (SmolLM2 at b = 8 served 25 of 180 steps without speculation
+        # and 16 at a budget of 4, against a budget of 2 that gets 1.24x).
         num_rows = len(accepted_nodes)
         self._weights[s] += num_rows
-        rate = max(1.0 - (1.0 - self.decay) ** num_rows, num_rows / self._weights[s])
+        rate = max(self.decay, num_rows / self._weights[s])
         old = self.expected_accepted[s]
         self.expected_accepted[s] = mean if old is None else old + rate * (mean - old)
 
