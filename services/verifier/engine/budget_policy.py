@@ -14,8 +14,8 @@ import logging
 import os
 import statistics
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -37,6 +37,12 @@ DEFAULT_BUDGETS = (1, 2, 4, 8, 16, 32)
 DEFAULT_ACCEPTANCE_PRIOR = {1: 0.0, 2: 0.43, 4: 0.82, 8: 1.1, 16: 1.3, 32: 1.45}
 PRIOR_WEIGHT = 8  # the prior counts as this many observed rows (one sequence's tree of a step)
 PROFILE_WEIGHT = 8  # a profiled step time counts as this many observed ones
+# A sequence's own acceptance estimate starts from the global one, worth ROW_PRIOR_WEIGHT of its
+# steps, and then moves ROW_DECAY of the way to each of its own steps; at most MAX_ROWS
+# sequences are remembered (the least recently seen are dropped).
+ROW_PRIOR_WEIGHT = 4
+ROW_DECAY = 0.1
+MAX_ROWS = 1024
 FAR_BEHIND = 0.2  # a next budget this far below the best rate is explored rarely
 FAR_EXPLORE_FACTOR = 8  # how much more rarely
 # A (batch size, budget)'s step time is the median of its last RECENT_STEPS observed steps once
@@ -55,14 +61,16 @@ PROFILE_CONTEXT = 256  # cached tokens per sequence while profiling the forward 
 
 
 class BudgetPolicy(Protocol):
-    def budget(self, batch_size: int) -> int: ...
+    def budget(self, batch_size: int, rows: Sequence[Hashable] | None = None) -> int:
+        """The budget of a step of `batch_size` rows; `rows`, when given, names the sequences
+        (one key each, as `observe` gets them), whose own acceptance a policy may weigh."""
 
     def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
-                step_s: float | None) -> None:
+                step_s: float | None, rows: Sequence[Hashable] | None = None) -> None:
         """After a step at `budget`: per row, the tree nodes of its accepted path; the seconds
         the step's speculation work took (drafting, verification, acceptance), None when they
         say nothing about `budget` (a step that drafted a larger tree than it verified, or one
-        whose forward pass also prefilled a prompt)."""
+        whose forward pass also prefilled a prompt); the rows' keys, as `budget` got them."""
 
     def draft_budget(self, batch_size: int, budget: int) -> int:
         """The budget to draft at when `budget` is verified: larger on the steps whose extra
@@ -70,7 +78,8 @@ class BudgetPolicy(Protocol):
         proposers whose trees are best-first and cheap to draft (`Proposer.hindsight_drafts`)."""
 
     def observe_hindsight(self, batch_size: int, verified_budget: int,
-                          accepted_nodes: Sequence[Sequence[int]]) -> None:
+                          accepted_nodes: Sequence[Sequence[int]],
+                          rows: Sequence[Hashable] | None = None) -> None:
         """A step's drafted trees scored in hindsight: per row, the accepted path through the
         whole tree, of which nodes below `verified_budget` were verified too."""
 
@@ -80,7 +89,8 @@ class _NoHindsight:
         return budget
 
     def observe_hindsight(self, batch_size: int, verified_budget: int,
-                          accepted_nodes: Sequence[Sequence[int]]) -> None:
+                          accepted_nodes: Sequence[Sequence[int]],
+                          rows: Sequence[Hashable] | None = None) -> None:
         pass
 
 
@@ -90,11 +100,11 @@ class FixedBudget(_NoHindsight):
     def __init__(self, budget: int) -> None:
         self._budget = budget
 
-    def budget(self, batch_size: int) -> int:
+    def budget(self, batch_size: int, rows: Sequence[Hashable] | None = None) -> int:
         return self._budget
 
     def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
-                step_s: float | None) -> None:
+                step_s: float | None, rows: Sequence[Hashable] | None = None) -> None:
         pass
 
 
@@ -103,11 +113,11 @@ class RuleBudget(_NoHindsight):
         self.knee_intensity = knee_intensity
         self.max_budget = max_budget
 
-    def budget(self, batch_size: int) -> int:
+    def budget(self, batch_size: int, rows: Sequence[Hashable] | None = None) -> int:
         return speculation_budget(batch_size, self.knee_intensity, self.max_budget)
 
     def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
-                step_s: float | None) -> None:
+                step_s: float | None, rows: Sequence[Hashable] | None = None) -> None:
         pass
 
 
@@ -257,6 +267,9 @@ class MeasuredBudget:
             if prior is not None and s in prior:
                 self.expected_accepted[s] = float(prior[s])
                 self._weights[s] = PRIOR_WEIGHT
+        # Per sequence (its key), its own estimate per budget and the steps behind each.
+        self._rows: OrderedDict[Hashable, tuple[dict[int, float], dict[int, int]]] = \
+            OrderedDict()
         self.observed_seconds: dict[tuple[int, int], float] = {}  # (b, s) -> estimate
         # (b, s) -> median of its recent steps / its profiled time; the median of the trees'
         self._ratios: dict[tuple[int, int], float] = {}
@@ -269,12 +282,13 @@ class MeasuredBudget:
         # budget, so it is not also a hindsight step (whose time says nothing about it).
         self._is_timing_step = False
 
-    def budget(self, batch_size: int) -> int:
+    def budget(self, batch_size: int, rows: Sequence[Hashable] | None = None) -> int:
         self._num_calls += 1
         self._is_timing_step = True
         unobserved = [s for _, s in self.candidates if self.expected_accepted[s] is None]
         if unobserved:
             return max(unobserved)  # one step there measures every smaller budget too
+        accepted = self._batch_acceptance(rows)
 
         seconds = [self.observed_seconds[(batch_size, s)] if (batch_size, s) in
                    self.observed_seconds else self._expected_seconds(batch_size, j, s)
@@ -286,8 +300,7 @@ class MeasuredBudget:
             seconds[i] = min(seconds[i], cap)
             if self._calibrated(batch_size, self.candidates[i][1]):
                 cap = seconds[i]
-        rates = [(1.0 + self.expected_accepted[s]) / t
-                 for (_, s), t in zip(self.candidates, seconds)]
+        rates = [(1.0 + accepted[s]) / t for (_, s), t in zip(self.candidates, seconds)]
         threshold = (1.0 - self.tie_tolerance) * max(rates)
         best = next(i for i, r in enumerate(rates) if r >= threshold)  # smallest near-best
         # ... unless the next budget costs the same (on a CPU, trees of up to 4 nodes run as
@@ -296,7 +309,7 @@ class MeasuredBudget:
         while best + 1 < len(rates) and seconds[best + 1] <= SAME_COST * seconds[best] and \
                 rates[best + 1] > rates[best]:
             best += 1
-        calibrating = self._to_calibrate(batch_size, seconds, rates[best])
+        calibrating = self._to_calibrate(batch_size, seconds, rates[best], accepted)
         if calibrating is not None:
             return calibrating
         # Without hindsight the next larger budget is explored (its acceptance); with it the
@@ -323,8 +336,8 @@ class MeasuredBudget:
     def _calibrated(self, batch_size: int, budget: int) -> bool:
         return self._num_observed(batch_size, budget) >= CALIBRATION_STEPS
 
-    def _to_calibrate(self, batch_size: int, seconds: list[float],
-                      best_rate: float) -> int | None:
+    def _to_calibrate(self, batch_size: int, seconds: list[float], best_rate: float,
+                      accepted: dict[int, float]) -> int | None:
         """The smallest budget not yet calibrated at this batch size whose rate would beat
         `best_rate` at its lowest possible cost: the cost of the largest smaller budget observed
         here (step costs do not fall as budgets grow), or, once trees have run, its profiled
@@ -340,7 +353,7 @@ class MeasuredBudget:
                 elif self._tree_ratio is not None:
                     lowest = max(floor, (1.0 - PROFILE_AGREES) * self._tree_ratio *
                                  self.profile.time(batch_size, j))
-                optimistic = (1.0 + self.expected_accepted[s]) / lowest
+                optimistic = (1.0 + accepted[s]) / lowest
                 if optimistic > (1.0 + self.tie_tolerance) * best_rate:
                     return s
             if observed:
@@ -348,7 +361,7 @@ class MeasuredBudget:
         return None
 
     def observe(self, batch_size: int, budget: int, accepted_nodes: Sequence[Sequence[int]],
-                step_s: float | None) -> None:
+                step_s: float | None, rows: Sequence[Hashable] | None = None) -> None:
         if not accepted_nodes:
             return
         if step_s is not None:
@@ -356,7 +369,7 @@ class MeasuredBudget:
         for _, s in self.candidates:
             if s > budget:
                 break
-            self._learn_acceptance(s, accepted_nodes)
+            self._learn_acceptance(s, accepted_nodes, rows)
 
     def _expected_seconds(self, batch_size: int, index: int, budget: int) -> float:
         """What (batch_size, budget) should cost before its own steps tell: its profiled time,
@@ -407,20 +420,57 @@ class MeasuredBudget:
         return largest if self._num_draft_calls % self.hindsight_every == 0 else budget
 
     def observe_hindsight(self, batch_size: int, verified_budget: int,
-                          accepted_nodes: Sequence[Sequence[int]]) -> None:
+                          accepted_nodes: Sequence[Sequence[int]],
+                          rows: Sequence[Hashable] | None = None) -> None:
         """Learns the budgets above `verified_budget` (`observe` learned the others)."""
         if not accepted_nodes:
             return
         self._has_hindsight = True
         for _, s in self.candidates:
             if s > verified_budget:
-                self._learn_acceptance(s, accepted_nodes)
+                self._learn_acceptance(s, accepted_nodes, rows)
 
-    def _learn_acceptance(self, s: int, accepted_nodes: Sequence[Sequence[int]]) -> None:
+    def _row_estimates(self, key: Hashable) -> tuple[dict[int, float], dict[int, int]]:
+        """A sequence's own estimates, made from the global ones when it is new."""
+        entry = self._rows.get(key)
+        if entry is None:
+            entry = self._rows[key] = (
+                {s: v for s, v in self.expected_accepted.items() if v is not None},
+                {s: ROW_PRIOR_WEIGHT for s in self.expected_accepted})
+            while len(self._rows) > MAX_ROWS:
+                self._rows.popitem(last=False)
+        else:
+            self._rows.move_to_end(key)
+        return entry
+
+    def _batch_acceptance(self, rows: Sequence[Hashable] | None) -> dict[int, float]:
+        """Per budget, the accepted draft tokens a step of these rows is expected to get: the
+        mean of the rows' own estimates. A batch's acceptance is that of the sequences in it,
+        which come and go: one global average lags the change of company (the long answers
+        left at the end of a batch accept more than the batch did) or, made to follow it,
+        chases the noise of a few rows."""
+        if not rows:
+            return self.expected_accepted
+        sums = dict.fromkeys(self.expected_accepted, 0.0)
+        for key in rows:
+            estimates = self._row_estimates(key)[0]
+            for s in sums:
+                sums[s] += estimates.get(s, self.expected_accepted[s])
+        return {s: total / len(rows) for s, total in sums.items()}
+
+    def _learn_acceptance(self, s: int, accepted_nodes: Sequence[Sequence[int]],
+                          rows: Sequence[Hashable] | None = None) -> None:
         """What a tree of budget s, the first s nodes, accepted: each path cut at its first
-        node >= s (indices grow along a path)."""
-        mean = sum(sum(1 for node in path if node < s) for path in accepted_nodes) / \
-            len(accepted_nodes)
+        node >= s (indices grow along a path). Learned globally (the prior of new sequences,
+        and what `save_stats` keeps) and, for rows with keys, per sequence."""
+        counts = [sum(1 for node in path if node < s) for path in accepted_nodes]
+        if rows is not None:
+            for key, count in zip(rows, counts):
+                estimates, weights = self._row_estimates(key)
+                weights[s] = weights.get(s, 0) + 1
+                old = estimates.get(s, float(count))
+                estimates[s] = old + max(ROW_DECAY, 1.0 / weights[s]) * (count - old)
+        mean = sum(counts) / len(counts)
         # A running mean over rows while few are behind the estimate: a step of 8 rows weighs
         # as 8 steps of one, so a large batch does not serve dozens of steps at a prior's
         # budget that its own trees already contradict. Then a moving average over steps, each

@@ -68,6 +68,7 @@ class HindsightPaths:
     verified_budget: int  # budgets up to this were verified in that step; larger ones not
     paths: list[list[int]]
     starts: list[int]  # per row, the output position of the tree's first draft token
+    request_ids: list[str]  # per row, its sequence's
 
 
 class HindsightTracker:
@@ -106,7 +107,8 @@ class HindsightTracker:
             if all(row.is_decided for row in group.rows):
                 done.append(HindsightPaths(group.batch_size, group.verified_budget,
                                            [row.path for row in group.rows],
-                                           [row.start for row in group.rows]))
+                                           [row.start for row in group.rows],
+                                           [row.seq.request_id for row in group.rows]))
             else:
                 pending.append(group)
         self._groups = pending

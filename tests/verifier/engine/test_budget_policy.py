@@ -364,3 +364,21 @@ def test_a_draining_batch_is_not_calibrated_afresh_at_each_batch_size():
             lambda s, b=batch_size: profile.time(b, BUDGETS.index(s)) * rng.uniform(0.78, 1.1))
     large = {b: sum(s >= 16 for s in steps) for b, steps in chosen.items()}
     assert sum(large.values()) == 0, (large, chosen)
+
+
+def test_a_batch_is_judged_by_the_sequences_in_it():
+    """Acceptance is a sequence's: a batch of code answers that accept 3 draft tokens a step
+    gets a larger budget than a batch of chat answers that accept none, whatever the order
+    they were served in; a new sequence starts from the global estimate, the mean of both."""
+    profile = ForwardProfile([1, 2], [1, 2, 4, 8], np.array([[0.04, 0.042, 0.045, 0.06]] * 2))
+    policy = MeasuredBudget(profile, max_budget=8, hindsight_every=0,
+                            prior={1: 0.0, 2: 0.4, 4: 0.8, 8: 1.0})
+    for _ in range(20):  # both together, each at its own rate
+        policy.observe(2, 8, [[1, 2, 3], []], 0.06, rows=["code", "chat"])
+    for _ in range(40):  # the chat answer last: a global average now says "no drafts pay"
+        policy.observe(1, 8, [[]], 0.06, rows=["chat"])
+    assert policy.budget(1, ["code"]) == 4  # 4 tokens for 0.045 s against 1 for 0.04
+    assert policy.budget(1, ["chat"]) == 1
+    assert policy.expected_accepted[8] < 0.5  # the global estimate followed the chat answer
+    new = policy._batch_acceptance(["new"])[8]
+    assert new == pytest.approx(policy.expected_accepted[8])

@@ -165,7 +165,7 @@ def test_a_step_that_admits_runs_one_forward_pass_and_teaches_the_policy_nothing
         passes.append((len(trees), [slot for slot, _ in prompts]))
         return runner_pass(trees, prompts)
 
-    def observe(batch_size, budget, accepted_nodes, step_s):
+    def observe(batch_size, budget, accepted_nodes, step_s, rows=None):
         observed.append((len(passes), step_s))
         policy_observe(batch_size, budget, accepted_nodes, step_s)
 

@@ -14,6 +14,7 @@ from sssd.verifier.engine.hindsight import MAX_PENDING_GROUPS, HindsightTracker
 class FakeSequence:
     output_ids: list[int] = field(default_factory=list)
     is_finished: bool = False
+    request_id: str = "a request"
 
 
 def tree(tokens, parents):
@@ -164,17 +165,17 @@ def test_hindsight_paths_equal_verified_paths(engine_factory, mt_bench_prompts, 
             super().__init__(budget)
             self.engine, self.verified, self.hindsight = engine, {}, {}
 
-        def budget(self, batch_size):
+        def budget(self, batch_size, rows=None):
             self.position = len(self.engine.scheduler.running[0].output_ids)
             return self._budget
 
         def draft_budget(self, batch_size, budget):
             return 16
 
-        def observe(self, batch_size, budget, accepted_nodes, step_s):
+        def observe(self, batch_size, budget, accepted_nodes, step_s, rows=None):
             self.verified[self.position] = list(accepted_nodes[0])
 
-        def observe_hindsight(self, batch_size, verified_budget, accepted_nodes):
+        def observe_hindsight(self, batch_size, verified_budget, accepted_nodes, rows=None):
             assert verified_budget == 1
             self.hindsight.setdefault("paths", []).append(list(accepted_nodes[0]))
 
