@@ -144,13 +144,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def datastore_vocab_size(datastore: str) -> int:
+    """The vocabulary the datastore's shards were built for (their meta.json), which the
+    drafter must serve: one started for another refuses the shards and every token id beyond
+    its vocabulary (before 2026-11-27 this started every drafter for SmolLM2's 49,152, so the
+    Qwen2.5 rows of vLLM with our drafter ran without drafts)."""
+    with open(Path(datastore) / "manifest.json") as f:
+        shards = json.load(f)["shards"]
+    if not shards:
+        return 49152  # an empty datastore: SmolLM2's, the default model
+    with open(Path(datastore) / shards[0] / "meta.json") as f:
+        return int(json.load(f)["vocab_size"])
+
+
 def start_drafter(datastore: str, port: int) -> subprocess.Popen:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     drafter = subprocess.Popen(
         [str(Path(sys.executable).with_name("sssd-drafter")), "--datastore-dir", datastore,
-         "--vocab-size", "49152", "--port", str(port), "--num-threads", "1"],
+         "--vocab-size", str(datastore_vocab_size(datastore)), "--port", str(port),
+         "--num-threads", "1"],
         stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
