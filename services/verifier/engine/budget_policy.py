@@ -212,16 +212,24 @@ class MeasuredBudget:
     lower bound would beat the best is run (the smallest such first) until it has them. A
     profile that overprices budgets (one taken while the machine was busy) is thus corrected
     within a few dozen steps, at a bounded cost: each (b, s_q) is calibrated at most
-    CALIBRATION_STEPS times. What the trees' steps showed of the profile tightens that bound:
-    once a tree has run, at any batch size, a budget not yet calibrated costs at least its
-    profiled time times the median observed-to-profiled ratio of the trees' (batch size, budget)s
-    so far, less PROFILE_AGREES (or the floor, if more). A profile taken on a busy machine is
+    CALIBRATION_STEPS times. What the steps showed of the profile tightens that bound and the
+    estimate: a (b, s_q) not yet observed is priced at its profiled time times what the profile
+    was off by for the same budget where it was calibrated (at the nearest batch size), and
+    once a tree has run, at any batch size, a budget not yet calibrated costs at least that (or
+    its profiled time times the median observed-to-profiled ratio of the trees' (batch size,
+    budget)s so far) less PROFILE_AGREES, or the floor if more. A profile taken on a busy machine is
     thus rescaled by its first trees, and a profile the steps confirm is not second-guessed:
     a budget it prices at six plain steps (a tree of 32 in float32 on a CPU) is not run to find
     out what it already said (measured on Qwen2.5-Coder-1.5B in float32 at b = 4, 50 steps: one
     calibration step at budget 32 cost 2.0 s, against 0.35 s for the best budget's), and a batch
     size first met as a batch drains is not calibrated afresh at every large budget (SmolLM2 in
     bfloat16 at b = 8 spent 59 of 359 steps calibrating at b = 1 to 8 before).
+
+    Acceptance is a sequence's, and a batch's is that of the sequences in it: with row keys
+    (`budget(b, rows)`, `observe(..., rows)`), each sequence keeps its own moving average per
+    budget, started from the global one (worth ROW_PRIOR_WEIGHT of its steps, then ROW_DECAY a
+    step), and a step's expectation is the mean over its rows; the global estimate is still
+    learned from every row, is a new sequence's start, and is what `save_stats` keeps.
 
     The estimates start from a prior (acceptance statistics saved by an earlier run, else
     DEFAULT_ACCEPTANCE_PRIOR), which counts as PRIOR_WEIGHT rows: a fresh server speculates
