@@ -145,16 +145,17 @@ def free_port() -> int:
 
 
 def datastore_vocab_size(datastore: str) -> int:
-    """The vocabulary the datastore's shards were built for (their meta.json), which the
-    drafter must serve: one started for another refuses the shards and every token id beyond
-    its vocabulary (before 2026-11-27 this started every drafter for SmolLM2's 49,152, so the
-    Qwen2.5 rows of vLLM with our drafter ran without drafts)."""
-    with open(Path(datastore) / "manifest.json") as f:
-        shards = json.load(f)["shards"]
-    if not shards:
+    """The vocabulary the datastore's shards were built for, which the drafter must serve: one
+    started for another refuses the shards and every token id beyond its vocabulary (before
+    2026-11-27 this started every drafter for SmolLM2's 49,152, so the Qwen2.5 rows of vLLM with
+    our drafter ran without drafts)."""
+    from sssd.datastore.manifest import read_manifest
+    from sssd.datastore.shard import read_meta
+
+    manifest = read_manifest(datastore)
+    if manifest is None or not manifest.shards:
         return 49152  # an empty datastore: SmolLM2's, the default model
-    with open(Path(datastore) / shards[0] / "meta.json") as f:
-        return int(json.load(f)["vocab_size"])
+    return read_meta(Path(datastore) / manifest.shards[0]).vocab_size
 
 
 def start_drafter(datastore: str, port: int) -> subprocess.Popen:

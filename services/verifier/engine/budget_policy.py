@@ -374,10 +374,11 @@ class MeasuredBudget:
             return
         if step_s is not None:
             self._learn_seconds(batch_size, budget, step_s)
+        entries = self._row_entries(rows)
         for _, s in self.candidates:
             if s > budget:
                 break
-            self._learn_acceptance(s, accepted_nodes, rows)
+            self._learn_acceptance(s, accepted_nodes, entries)
 
     def _expected_seconds(self, batch_size: int, index: int, budget: int) -> float:
         """What (batch_size, budget) should cost before its own steps tell: its profiled time,
@@ -434,9 +435,10 @@ class MeasuredBudget:
         if not accepted_nodes:
             return
         self._has_hindsight = True
+        entries = self._row_entries(rows)
         for _, s in self.candidates:
             if s > verified_budget:
-                self._learn_acceptance(s, accepted_nodes, rows)
+                self._learn_acceptance(s, accepted_nodes, entries)
 
     def _row_estimates(self, key: Hashable) -> tuple[dict[int, float], dict[int, int]]:
         """A sequence's own estimates, made from the global ones when it is new."""
@@ -451,6 +453,11 @@ class MeasuredBudget:
             self._rows.move_to_end(key)
         return entry
 
+    def _row_entries(self, rows: Sequence[Hashable] | None) -> list[tuple[dict[int, float],
+                                                                          dict[int, int]]]:
+        """Each row's own estimates (none without keys), looked up once per step."""
+        return [] if rows is None else [self._row_estimates(key) for key in rows]
+
     def _batch_acceptance(self, rows: Sequence[Hashable] | None) -> dict[int, float]:
         """Per budget, the accepted draft tokens a step of these rows is expected to get: the
         mean of the rows' own estimates. A batch's acceptance is that of the sequences in it,
@@ -460,24 +467,21 @@ class MeasuredBudget:
         if not rows:
             return self.expected_accepted
         sums = dict.fromkeys(self.expected_accepted, 0.0)
-        for key in rows:
-            estimates = self._row_estimates(key)[0]
+        for estimates, _ in self._row_entries(rows):
             for s in sums:
                 sums[s] += estimates.get(s, self.expected_accepted[s])
         return {s: total / len(rows) for s, total in sums.items()}
 
     def _learn_acceptance(self, s: int, accepted_nodes: Sequence[Sequence[int]],
-                          rows: Sequence[Hashable] | None = None) -> None:
+                          entries: list[tuple[dict[int, float], dict[int, int]]]) -> None:
         """What a tree of budget s, the first s nodes, accepted: each path cut at its first
         node >= s (indices grow along a path). Learned globally (the prior of new sequences,
-        and what `save_stats` keeps) and, for rows with keys, per sequence."""
+        and what `save_stats` keeps) and in each row's `entries` (`_row_entries`)."""
         counts = [sum(1 for node in path if node < s) for path in accepted_nodes]
-        if rows is not None:
-            for key, count in zip(rows, counts):
-                estimates, weights = self._row_estimates(key)
-                weights[s] = weights.get(s, 0) + 1
-                old = estimates.get(s, float(count))
-                estimates[s] = old + max(ROW_DECAY, 1.0 / weights[s]) * (count - old)
+        for (estimates, weights), count in zip(entries, counts):
+            weights[s] = weights.get(s, 0) + 1
+            old = estimates.get(s, float(count))
+            estimates[s] = old + max(ROW_DECAY, 1.0 / weights[s]) * (count - old)
         mean = sum(counts) / len(counts)
         # A running mean over rows while few are behind the estimate: a step of 8 rows weighs
         # as 8 steps of one, so a large batch does not serve dozens of steps at a prior's

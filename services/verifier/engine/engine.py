@@ -147,9 +147,9 @@ class Engine:
         verifying = list(self.scheduler.running)  # admitted in earlier steps
         prompts, prefill_s = self._admit(rows)
         drafts, budget, step_start = None, 1, time.perf_counter()
+        keys = [seq.request_id for seq in verifying]  # the policy's names of the rows
         if verifying:
-            budget = self.budget_policy.budget(len(verifying),
-                                               [seq.request_id for seq in verifying])
+            budget = self.budget_policy.budget(len(verifying), keys)
             drafts = self.drafting.draft(verifying, budget,
                                          self._draft_budget(len(verifying), budget),
                                          self.runner.room)
@@ -166,7 +166,7 @@ class Engine:
         self._emit_verified(verifying, drafts, results, rows)
         # The policy prices a budget by the step's speculation work: a pass that also ran a
         # prompt says nothing about it.
-        self._learn(verifying, budget, drafts, results, None if prompts else step_start)
+        self._learn(keys, budget, drafts, results, None if prompts else step_start)
         finished += self._retire()
         output = StepOutput(list(rows.values()), finished, len(results), budget, drafts.draft_s,
                             verify_s, prefill_s, drafts.num_errors, drafts.is_fallback)
@@ -260,16 +260,16 @@ class Engine:
                                              result.num_accepted, row_budget, is_verified=True,
                                              num_drafted=tree.num_nodes - 1)
 
-    def _learn(self, verifying: list[Sequence], budget: int, drafts: Drafts,
-               results: list[AcceptResult], step_start: float | None) -> None:
+    def _learn(self, keys: list[str], budget: int, drafts: Drafts, results: list[AcceptResult],
+               step_start: float | None) -> None:
         """The budget policy learns from the step: its cost and what each row accepted, and
         what earlier hindsight trees would have accepted, now that the tokens are out."""
         # The policy prices a budget by the whole step's speculation work; a step that drafted
         # a larger tree than it verified says nothing about the cost of `budget`.
         step_s = None if drafts.is_hindsight or step_start is None \
             else time.perf_counter() - step_start
-        self.budget_policy.observe(len(verifying), budget, [r.accepted_nodes for r in results],
-                                   step_s, [seq.request_id for seq in verifying])
+        self.budget_policy.observe(len(keys), budget, [r.accepted_nodes for r in results],
+                                   step_s, keys)
         for decided in self.drafting.decided_in_hindsight():
             self.budget_policy.observe_hindsight(decided.batch_size, decided.verified_budget,
                                                  decided.paths, decided.request_ids)

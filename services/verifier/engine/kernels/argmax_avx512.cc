@@ -6,8 +6,8 @@
 #include <immintrin.h>
 
 #include <cmath>
-#include <cstring>
 
+#include "avx512_loads.h"
 #include "numbers.h"
 
 namespace sssd::kernels::detail {
@@ -15,21 +15,8 @@ namespace {
 
 constexpr int64_t kWidth = 16;  // float32 values in a vector
 
-inline __m512 load(const float* row, int64_t i) { return _mm512_loadu_ps(row + i); }
-
-inline __m512 load(const uint16_t* row, int64_t i) {
-  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
-}
-
 inline float scalar(const float* row, int64_t i) { return row[i]; }
-
-inline float scalar(const uint16_t* row, int64_t i) {
-  const uint32_t wide = static_cast<uint32_t>(row[i]) << 16;
-  float v;
-  std::memcpy(&v, &wide, sizeof(float));
-  return v;
-}
+inline float scalar(const uint16_t* row, int64_t i) { return bf16_to_float(row[i]); }
 
 // The row's largest value, or NaN when it holds one.
 template <typename T>
@@ -38,8 +25,8 @@ float row_max(const T* row, int64_t cols) {
   __mmask16 nan = 0;
   int64_t i = 0;
   for (; i + 4 * kWidth <= cols; i += 4 * kWidth) {
-    const __m512 v0 = load(row, i), v1 = load(row, i + kWidth);
-    const __m512 v2 = load(row, i + 2 * kWidth), v3 = load(row, i + 3 * kWidth);
+    const __m512 v0 = load16(row + i), v1 = load16(row + i + kWidth);
+    const __m512 v2 = load16(row + i + 2 * kWidth), v3 = load16(row + i + 3 * kWidth);
     nan |= _mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v2, v3, _CMP_UNORD_Q);
     m0 = _mm512_max_ps(m0, v0);
     m1 = _mm512_max_ps(m1, v1);
@@ -62,7 +49,7 @@ int64_t first_equal(const T* row, int64_t cols, float target) {
   const __m512 wanted = _mm512_set1_ps(target);
   int64_t i = 0;
   for (; i + kWidth <= cols; i += kWidth) {
-    const __m512 v = load(row, i);
+    const __m512 v = load16(row + i);
     const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
                               : _mm512_cmp_ps_mask(v, wanted, _CMP_EQ_OQ);
     if (hit) return i + __builtin_ctz(static_cast<unsigned>(hit));

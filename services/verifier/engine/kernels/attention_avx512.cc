@@ -15,20 +15,11 @@
 
 #include <vector>
 
+#include "avx512_loads.h"
 #include "numbers.h"
 
 namespace sssd::kernels::detail {
 namespace {
-
-template <typename T>
-inline __m512 load16(const T* p);
-template <>
-inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <>
-inline __m512 load16<uint16_t>(const uint16_t* p) {
-  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
-}
 
 // Lane k of the result: the sum of the sixteen lanes of v[k]. Every v[k] is summed by the same
 // tree of additions, whatever k.

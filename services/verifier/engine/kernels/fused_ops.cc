@@ -240,11 +240,8 @@ constexpr int64_t kScanBlock = 64;   // values tested at once for the first maxi
 
 // Element i of a row of `dtype` as float32.
 inline float value_at(const void* row, int64_t i, Dtype dtype) {
-  if (dtype == Dtype::kFloat32) return static_cast<const float*>(row)[i];
-  const uint32_t wide = static_cast<uint32_t>(static_cast<const uint16_t*>(row)[i]) << 16;
-  float v;
-  std::memcpy(&v, &wide, sizeof(float));
-  return v;
+  return dtype == Dtype::kFloat32 ? static_cast<const float*>(row)[i]
+                                  : bf16_to_float(static_cast<const uint16_t*>(row)[i]);
 }
 
 // The row's largest value, or NaN when it holds one. Lane by lane, so that the loop vectorizes
