@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "fused_ops.h"
+#include "prefetch.h"
 
 namespace sssd::kernels {
 namespace {
@@ -53,10 +54,13 @@ inline void prefetch_ahead(const void* step) {
 
 // Adds pairs [pair_begin, pair_end) of a panel to the sums of `R` rows.
 //   x: the first row's inputs as 32-bit pairs, rows `x_stride` pairs apart;
-//   panel: the panel's weights, 4 vectors per pair; sums: [R][64] float32, loaded and stored.
+//   panel: the panel's weights, 4 vectors per pair; sums: [R][64] float32, loaded and stored;
+//   pass, passes: which of the block's passes this is (prefetch.h: with more than one, each
+//   asks for its share of the next block).
 template <int R>
 void add_pairs(const uint32_t* x, int64_t x_stride, const __m512i* panel, int64_t pair_begin,
-               int64_t pair_end, float* sums, bool first) {
+               int64_t pair_end, float* sums, bool first, int64_t pass, int64_t passes) {
+  detail::NextBlock next(panel + 4 * pair_end, 256, pass, passes);
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < 4; ++j) {
@@ -66,6 +70,7 @@ void add_pairs(const uint32_t* x, int64_t x_stride, const __m512i* panel, int64_
   for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
     const __m512i* w = panel + 4 * pair;
     prefetch_ahead(w);
+    next.step();
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 1);
     const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 2);
@@ -84,7 +89,7 @@ void add_pairs(const uint32_t* x, int64_t x_stride, const __m512i* panel, int64_
 }
 
 using AddPairs = void (*)(const uint32_t*, int64_t, const __m512i*, int64_t, int64_t, float*,
-                          bool);
+                          bool, int64_t, int64_t);
 constexpr AddPairs kAddPairs[kRowTile + 1] = {
     nullptr, add_pairs<1>, add_pairs<2>, add_pairs<3>, add_pairs<4>, add_pairs<5>, add_pairs<6>};
 
@@ -92,7 +97,8 @@ constexpr AddPairs kAddPairs[kRowTile + 1] = {
 // weights to the sums of `R` rows, one fused multiply-add per input, in order.
 template <int R>
 void add_inputs(const float* x, int64_t x_stride, const float* panel, int64_t begin,
-                int64_t end, float* sums, bool first) {
+                int64_t end, float* sums, bool first, int64_t pass, int64_t passes) {
+  detail::NextBlock next(panel + kPanel * end, 256, pass, passes);
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < 4; ++j) {
@@ -102,6 +108,7 @@ void add_inputs(const float* x, int64_t x_stride, const float* panel, int64_t be
   for (int64_t k = begin; k < end; ++k) {
     const float* w = panel + kPanel * k;
     prefetch_ahead(w);
+    next.step();
     const __m512 w0 = _mm512_loadu_ps(w);
     const __m512 w1 = _mm512_loadu_ps(w + 16);
     const __m512 w2 = _mm512_loadu_ps(w + 32);
@@ -119,7 +126,8 @@ void add_inputs(const float* x, int64_t x_stride, const float* panel, int64_t be
   }
 }
 
-using AddInputs = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, bool);
+using AddInputs = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, bool,
+                           int64_t, int64_t);
 constexpr AddInputs kAddInputs[kRowTile + 1] = {
     nullptr, add_inputs<1>, add_inputs<2>, add_inputs<3>, add_inputs<4>, add_inputs<5>,
     add_inputs<6>};
@@ -127,7 +135,8 @@ constexpr AddInputs kAddInputs[kRowTile + 1] = {
 // The loop both products share: the panels split between the threads; in each, the blocks of
 // `steps` (input pairs or inputs) in order and, in each block, the rows kRowTile at a time,
 // add(panel, first row, rows, block begin, block end, the rows' sums) accumulating; then
-// finish(panel, sums [rows][64]) writes the panel's outputs.
+// finish(panel, sums [rows][64]) writes the panel's outputs. A block's passes are numbered by
+// first row / kRowTile.
 template <typename Add, typename Finish>
 void run_panels(int64_t rows, int64_t num_panels, int64_t steps, int64_t block, const Add& add,
                 const Finish& finish) {
@@ -179,10 +188,11 @@ void linear_bf16(const void* x, const void* packed, const void* bias, void* out,
   const auto* weights = static_cast<const __m512i*>(packed);
   const auto* bias_bits = static_cast<const uint16_t*>(bias);
   auto* y = static_cast<uint16_t*>(out);
+  const int64_t passes = (rows + kRowTile - 1) / kRowTile;
   const auto add = [&](int64_t p, int64_t r, int64_t tile, int64_t begin, int64_t end,
                        float* sums) {
     kAddPairs[tile](x_pairs + r * num_pairs, num_pairs, weights + p * num_pairs * 4, begin, end,
-                    sums, begin == 0);
+                    sums, begin == 0, r / kRowTile, passes);
   };
   const auto finish = [&](int64_t p, const float* sums) {
     const int64_t first = p * kPanel;
@@ -217,10 +227,11 @@ uint64_t read_bytes(const void* data, int64_t num_bytes) {
 
 void linear_f32(const float* x, const float* packed, const float* bias, float* out,
                 int64_t rows, int64_t in_features, int64_t out_features) {
+  const int64_t passes = (rows + kRowTile - 1) / kRowTile;
   const auto add = [&](int64_t p, int64_t r, int64_t tile, int64_t begin, int64_t end,
                        float* sums) {
     kAddInputs[tile](x + r * in_features, in_features, packed + p * in_features * kPanel, begin,
-                     end, sums, begin == 0);
+                     end, sums, begin == 0, r / kRowTile, passes);
   };
   const auto finish = [&](int64_t p, const float* sums) {
     const int64_t first = p * kPanel;
