@@ -43,13 +43,15 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_peers import datastore_vocab_size, free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -64,12 +66,6 @@ CLIENT = ("import sys\n"
           "parser = FlexibleArgumentParser()\n"
           "add_cli_args(parser)\n"
           "main(parser.parse_args(sys.argv[1:]))\n")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_ready(url: str, process: subprocess.Popen, timeout_s: float, log: Path) -> None:
@@ -190,7 +186,8 @@ def start_vllm(args: argparse.Namespace, server: str, work: Path, port: int,
         drafter_port = free_port()
         datastore = args.datastore or newest_datastore()
         processes.append(spawn([str(DRAFTER), "--datastore-dir", datastore, "--vocab-size",
-                                "49152", "--port", str(drafter_port), "--num-threads", "1"],
+                                str(datastore_vocab_size(datastore)), "--port",
+                                str(drafter_port), "--num-threads", "1"],
                                work / "drafter.log"))
         command += ["--speculative-config", json.dumps(
             {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": args.k}),
