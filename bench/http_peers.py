@@ -105,8 +105,7 @@ def write_datasets(work: Path, num_cells: int, num_prompts: int) -> dict[str, li
     """Per dataset, one file per concurrency level, holding prompts no other level has: a server
     that learns from what it served (vLLM's suffix method, our live datastore) gains nothing
     from an earlier cell, and neither does a prefix cache."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from prompt_sets import prompt_texts
+    from prompt_sets import prompt_texts  # bench/, on the path since the imports above
 
     from sssd.common.data.corpus import iter_sharegpt, sharegpt_messages
 

@@ -42,6 +42,7 @@ namespace {
 constexpr int64_t kPanel = 64;        // outputs per panel: four vectors of 16 float32 sums
 constexpr int64_t kRowTile = 6;       // rows sharing each weight vector read
 constexpr int64_t kPairBlock = 512;   // input pairs per block (64 KB of a panel)
+constexpr int64_t kStepBytes = 256;   // a panel's weights for one input pair or float32 input
 
 // Requests the panel's stretch kPrefetchAhead past `step` (a pair of bfloat16 inputs or a
 // float32 input: four lines of a panel). With a few rows each step costs more arithmetic than
@@ -55,12 +56,12 @@ inline void prefetch_ahead(const void* step) {
 // Adds pairs [pair_begin, pair_end) of a panel to the sums of `R` rows.
 //   x: the first row's inputs as 32-bit pairs, rows `x_stride` pairs apart;
 //   panel: the panel's weights, 4 vectors per pair; sums: [R][64] float32, loaded and stored;
-//   pass, passes: which of the block's passes this is (prefetch.h: with more than one, each
-//   asks for its share of the next block).
+//   pass, passes: which of the block's passes this is (prefetch.h: with more than one, they
+//   take turns asking for the next block).
 template <int R>
 void add_pairs(const uint32_t* x, int64_t x_stride, const __m512i* panel, int64_t pair_begin,
                int64_t pair_end, float* sums, bool first, int64_t pass, int64_t passes) {
-  detail::NextBlock next(panel + 4 * pair_end, 256, pass, passes);
+  detail::NextBlock next(panel + 4 * pair_end, kStepBytes, pass, passes);
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < 4; ++j) {
@@ -98,7 +99,7 @@ constexpr AddPairs kAddPairs[kRowTile + 1] = {
 template <int R>
 void add_inputs(const float* x, int64_t x_stride, const float* panel, int64_t begin,
                 int64_t end, float* sums, bool first, int64_t pass, int64_t passes) {
-  detail::NextBlock next(panel + kPanel * end, 256, pass, passes);
+  detail::NextBlock next(panel + kPanel * end, kStepBytes, pass, passes);
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < 4; ++j) {
@@ -134,12 +135,13 @@ constexpr AddInputs kAddInputs[kRowTile + 1] = {
 
 // The loop both products share: the panels split between the threads; in each, the blocks of
 // `steps` (input pairs or inputs) in order and, in each block, the rows kRowTile at a time,
-// add(panel, first row, rows, block begin, block end, the rows' sums) accumulating; then
-// finish(panel, sums [rows][64]) writes the panel's outputs. A block's passes are numbered by
-// first row / kRowTile.
+// add(panel, first row, rows, block begin, block end, the rows' sums, pass, passes)
+// accumulating (pass: the row tile's number among the block's `passes`); then finish(panel,
+// sums [rows][64]) writes the panel's outputs.
 template <typename Add, typename Finish>
 void run_panels(int64_t rows, int64_t num_panels, int64_t steps, int64_t block, const Add& add,
                 const Finish& finish) {
+  const int64_t passes = (rows + kRowTile - 1) / kRowTile;
 #pragma omp parallel
   {
     std::vector<float> sums(static_cast<size_t>(rows * kPanel));
@@ -148,7 +150,8 @@ void run_panels(int64_t rows, int64_t num_panels, int64_t steps, int64_t block, 
       for (int64_t begin = 0; begin < steps; begin += block) {
         const int64_t end = std::min(begin + block, steps);
         for (int64_t r = 0; r < rows; r += kRowTile) {
-          add(p, r, std::min(kRowTile, rows - r), begin, end, sums.data() + r * kPanel);
+          add(p, r, std::min(kRowTile, rows - r), begin, end, sums.data() + r * kPanel,
+              r / kRowTile, passes);
         }
       }
       finish(p, sums.data());
@@ -188,11 +191,10 @@ void linear_bf16(const void* x, const void* packed, const void* bias, void* out,
   const auto* weights = static_cast<const __m512i*>(packed);
   const auto* bias_bits = static_cast<const uint16_t*>(bias);
   auto* y = static_cast<uint16_t*>(out);
-  const int64_t passes = (rows + kRowTile - 1) / kRowTile;
   const auto add = [&](int64_t p, int64_t r, int64_t tile, int64_t begin, int64_t end,
-                       float* sums) {
+                       float* sums, int64_t pass, int64_t passes) {
     kAddPairs[tile](x_pairs + r * num_pairs, num_pairs, weights + p * num_pairs * 4, begin, end,
-                    sums, begin == 0, r / kRowTile, passes);
+                    sums, begin == 0, pass, passes);
   };
   const auto finish = [&](int64_t p, const float* sums) {
     const int64_t first = p * kPanel;
@@ -227,11 +229,10 @@ uint64_t read_bytes(const void* data, int64_t num_bytes) {
 
 void linear_f32(const float* x, const float* packed, const float* bias, float* out,
                 int64_t rows, int64_t in_features, int64_t out_features) {
-  const int64_t passes = (rows + kRowTile - 1) / kRowTile;
   const auto add = [&](int64_t p, int64_t r, int64_t tile, int64_t begin, int64_t end,
-                       float* sums) {
+                       float* sums, int64_t pass, int64_t passes) {
     kAddInputs[tile](x + r * in_features, in_features, packed + p * in_features * kPanel, begin,
-                     end, sums, begin == 0, r / kRowTile, passes);
+                     end, sums, begin == 0, pass, passes);
   };
   const auto finish = [&](int64_t p, const float* sums) {
     const int64_t first = p * kPanel;
