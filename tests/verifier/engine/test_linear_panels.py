@@ -40,7 +40,7 @@ def specified(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 
 @pytest.mark.parametrize("rows,features,outputs,with_bias", [
     (1, 96, 64, False),   # one row, one full panel
-    (7, 1100, 130, True),  # a row tile and a remainder, three input blocks, a padded panel
+    (7, 1100, 130, True),  # a row tile and a remainder, 9 input blocks (a partial), a padded panel
     (13, 64, 70, True),
 ])
 def test_every_bit_is_the_specified_sum(rows, features, outputs, with_bias):

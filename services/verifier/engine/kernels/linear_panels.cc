@@ -14,8 +14,9 @@
 // - for a row of x, the pair (x[k], x[k + 1]) is broadcast to every lane, and VDPBF16PS adds
 //   x[k] w[n][k] + x[k + 1] w[n][k + 1] to output n's float32 sum, pair after pair in order;
 // - rows are taken six at a time against the same weight vectors (the vectors come from memory
-//   once per six rows), and inputs in blocks of 512 pairs (64 KB of a panel, which stays in the
-//   core's cache while further rows reuse it);
+//   once per six rows), and inputs in blocks of 64 steps (a step: a pair of bfloat16 inputs or
+//   a float32 input, 256 bytes of a panel; a block is 16 KB, which stays in the core's first
+//   cache while further rows reuse it);
 // - output n of row m is then round(sum (+ b[n])) to bfloat16, to nearest even.
 //
 // So a row's result is the same bits whatever the number of rows, the row's position among them,
@@ -41,16 +42,26 @@ namespace {
 
 constexpr int64_t kPanel = 64;        // outputs per panel: four vectors of 16 float32 sums
 constexpr int64_t kRowTile = 6;       // rows sharing each weight vector read
-constexpr int64_t kPairBlock = 512;   // input pairs per block (64 KB of a panel)
+constexpr int64_t kBlockSteps = 64;   // steps per block (16 KB of a panel)
 constexpr int64_t kStepBytes = 256;   // a panel's weights for one input pair or float32 input
+// How far ahead of a step the first pass over a block asks for the panel's lines: into the
+// core's second cache from far ahead, into its first from near ahead.
+constexpr int64_t kStreamAhead = 4096;
+constexpr int64_t kNearAhead = 1024;
 
-// Requests the panel's stretch kPrefetchAhead past `step` (a pair of bfloat16 inputs or a
-// float32 input: four lines of a panel). With a few rows each step costs more arithmetic than
-// one, and the hardware prefetcher alone fell behind: float32, Qwen2.5-1.5B's products on the
-// AMX Xeon, 404 -> 297 ms at 4 rows and 500 -> 367 at 8 (1 row unchanged, 268 ms).
-inline void prefetch_ahead(const void* step) {
-  const char* ahead = static_cast<const char*>(step) + kPrefetchAhead;
-  for (int line = 0; line < 4; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+// Asks for the panel's four lines kStreamAhead past `step` into L2 and those kNearAhead past it
+// into L1. With a few rows each step costs more arithmetic than one, and the hardware
+// prefetcher alone fell behind (float32, Qwen2.5-1.5B's products on the AMX Xeon, 404 -> 297 ms
+// at 4 rows and 500 -> 367 at 8, asking 2 KB ahead into L1). Asking into L1 alone keeps no more
+// lines in flight than the core's L1 fill buffers; asking into L2 from farther ahead keeps
+// memory busier. The second scheme against the first, medians of 5-7 rounds taking turns in
+// one process (bench/linear_panels.py's shapes), ms on 1 / 4 / 8 / 12 rows: float32 285 / 319
+// / 374 / 399 -> 268 / 285 / 333 / 379 (with blocks of 64 steps, not 1024: a block then stays
+// in L1 for the later passes); bfloat16 1 row 160 -> 139, 4-12 rows unchanged.
+inline void prefetch_stream(const void* step) {
+  const char* at = static_cast<const char*>(step);
+  for (int line = 0; line < 4; ++line) _mm_prefetch(at + kStreamAhead + 64 * line, _MM_HINT_T1);
+  for (int line = 0; line < 4; ++line) _mm_prefetch(at + kNearAhead + 64 * line, _MM_HINT_T0);
 }
 
 // Adds pairs [pair_begin, pair_end) of a panel to the sums of `R` rows.
@@ -70,7 +81,7 @@ void add_pairs(const uint32_t* x, int64_t x_stride, const __m512i* panel, int64_
   }
   for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
     const __m512i* w = panel + 4 * pair;
-    prefetch_ahead(w);
+    if (pass == 0) prefetch_stream(w);  // the later passes find the block in L1
     next.step();
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 1);
@@ -108,7 +119,7 @@ void add_inputs(const float* x, int64_t x_stride, const float* panel, int64_t be
   }
   for (int64_t k = begin; k < end; ++k) {
     const float* w = panel + kPanel * k;
-    prefetch_ahead(w);
+    if (pass == 0) prefetch_stream(w);
     next.step();
     const __m512 w0 = _mm512_loadu_ps(w);
     const __m512 w1 = _mm512_loadu_ps(w + 16);
@@ -204,7 +215,7 @@ void linear_bf16(const void* x, const void* packed, const void* bias, void* out,
                       y + r * out_features + first, width);
     }
   };
-  run_panels(rows, packed_bf16_panels(out_features), num_pairs, kPairBlock, add, finish);
+  run_panels(rows, packed_bf16_panels(out_features), num_pairs, kBlockSteps, add, finish);
 }
 
 uint64_t read_bytes(const void* data, int64_t num_bytes) {
@@ -217,7 +228,7 @@ uint64_t read_bytes(const void* data, int64_t num_bytes) {
 #pragma omp for schedule(static)
     for (int64_t v = 0; v < num_vectors; v += 4) {  // a 256-byte stretch (4 lines) an iteration
       const int64_t stretch_end = std::min(v + 4, num_vectors);
-      prefetch_ahead(vectors + v);  // the stretch's 4 lines, as the products ask for theirs
+      prefetch_stream(vectors + v);  // the stretch's 4 lines, as the products ask for theirs
       for (int64_t j = v; j < stretch_end; ++j) {
         any = _mm512_or_si512(any, _mm512_loadu_si512(vectors + j));
       }
@@ -245,8 +256,7 @@ void linear_f32(const float* x, const float* packed, const float* bias, float* o
       }
     }
   };
-  // Inputs in blocks of 2 kPairBlock: 128 KB of a float32 panel.
-  run_panels(rows, packed_bf16_panels(out_features), in_features, 2 * kPairBlock, add, finish);
+  run_panels(rows, packed_bf16_panels(out_features), in_features, kBlockSteps, add, finish);
 }
 
 }  // namespace sssd::kernels
