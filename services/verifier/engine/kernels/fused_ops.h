@@ -108,9 +108,9 @@ bool has_amx_bf16();
 void linear_bf16_amx(const void* x, const void* packed, const void* bias, void* out,
                      int64_t rows, int64_t in_features, int64_t out_features);
 
-// How far ahead of its loads the AMX products' first row group asks for cache lines (the
-// AVX-512 panels and read_bytes ask into L2 from farther ahead: linear_panels.cc; the same for
-// the AMX products measured no different). The hardware prefetcher alone kept a 1-row
+// How far ahead of its loads the AMX products' first row group asks for cache lines, into L1.
+// (The AVX-512 panels and read_bytes ask into L2 from farther ahead, linear_panels.cc; asking
+// so for the AMX products measured no different.) The hardware prefetcher alone kept a 1-row
 // Qwen2.5-Coder-1.5B step's AMX products at 121 ms median, but at 206 ms in its slowest tenth
 // while other tenants loaded the machine; asking 2 KB ahead, 122 and 159 (bench/linear_panels.py,
 // taking turns in one process).

@@ -54,10 +54,11 @@ constexpr int64_t kNearAhead = 1024;
 // prefetcher alone fell behind (float32, Qwen2.5-1.5B's products on the AMX Xeon, 404 -> 297 ms
 // at 4 rows and 500 -> 367 at 8, asking 2 KB ahead into L1). Asking into L1 alone keeps no more
 // lines in flight than the core's L1 fill buffers; asking into L2 from farther ahead keeps
-// memory busier. The second scheme against the first, medians of 5-7 rounds taking turns in
-// one process (bench/linear_panels.py's shapes), ms on 1 / 4 / 8 / 12 rows: float32 285 / 319
-// / 374 / 399 -> 268 / 285 / 333 / 379 (with blocks of 64 steps, not 1024: a block then stays
-// in L1 for the later passes); bfloat16 1 row 160 -> 139, 4-12 rows unchanged.
+// memory busier. This scheme (with blocks of 64 steps, not 512-1024: a block then stays in L1
+// for the later passes) against the first, the two builds taking turns in one process on
+// bench/linear_panels.py's shapes, medians of 5 rounds, ms on 1 / 4 / 8 / 12 / 16 rows:
+// float32 269 / 317 / 371 / 392 / 444 -> 256 / 278 / 319 / 365 / 403; bfloat16 1 row
+// 165 -> 143, 4 and 8 rows unchanged.
 inline void prefetch_stream(const void* step) {
   const char* at = static_cast<const char*>(step);
   for (int line = 0; line < 4; ++line) _mm_prefetch(at + kStreamAhead + 64 * line, _MM_HINT_T1);
