@@ -5,6 +5,7 @@ and against vLLM's own server, one server at a time, fully offline.
     .venv/bin/python bench/http_peers.py
         [--servers ours,ours-local,vllm,vllm-sssd,vllm-suffix,vllm-ngram]
         [--concurrency 1,4,8] [--datasets sharegpt,mt_bench] [--num-prompts 16]
+        [--prompts-per-slot 8]
         [--output-len 128] [--dtype bfloat16] [--datastore DIR] [--k 4]
         [--out bench/results/http-peers.jsonl]
     .venv/bin/python bench/http_peers.py --plot bench/results/http-peers.jsonl
@@ -28,6 +29,10 @@ are ChatGPT's, not this model's), written to a local JSON for `--dataset-name sh
 the chat template). Each concurrency level gets prompts of its own (disjoint slices), so that
 no server profits from having answered them in an earlier cell (vLLM's `suffix` method keeps
 the answers it generated, vLLM caches prefixes); both variants of `ours` run the same slice.
+A cell at concurrency c sends max(--num-prompts, --prompts-per-slot * c) prompts (16 / 32 / 64
+at c = 1 / 4 / 8 by default): at c = 8, 16 prompts are two waves of a few seconds, in which
+one slow moment of this shared machine or a server's first steps decide the cell. MT-Bench has
+80 first turns, so its largest cells are cut until the levels fit (16 / 32 / 32).
 Both go to /v1/completions with temperature 0, --output-len tokens at most
 (`--sharegpt-output-len`, `--custom-output-len`), without ignore_eos: every server decodes the
 same greedy answers.
@@ -58,6 +63,7 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SSSD = ROOT / ".venv" / "bin" / "sssd"
 DRAFTER = ROOT / ".venv" / "bin" / "sssd-drafter"
 PROPOSER = "sssd.vllm.proposer.VllmDrafterProposer"
+MT_BENCH_PROMPTS = 80  # MT-Bench's first turns
 SERVERS = ("ours", "ours-local", "vllm", "vllm-sssd", "vllm-suffix", "vllm-ngram")
 # Run under .venv-vllm: vLLM's own benchmark client, as `vllm bench serve` runs it.
 CLIENT = ("import sys\n"
@@ -101,7 +107,22 @@ def spawn(command: list[str], log: Path, env: dict | None = None) -> subprocess.
                             env={**os.environ, **(env or {})}, start_new_session=True)
 
 
-def write_datasets(work: Path, num_cells: int, num_prompts: int) -> dict[str, list[Path]]:
+def prompt_counts(concurrency: list[int], num_prompts: int, per_slot: int,
+                  limit: int | None = None) -> list[int]:
+    """Prompts per cell: max(num_prompts, per_slot * c) at concurrency c; with `limit` (the
+    prompts there are, every cell disjoint), the largest cells are cut, one prompt at a time,
+    until they fit."""
+    counts = [max(num_prompts, per_slot * c) for c in concurrency]
+    if limit is not None:
+        if len(counts) > limit:
+            raise SystemExit(f"{limit} prompts cannot fill {len(counts)} cells")
+        while sum(counts) > limit:
+            counts[counts.index(max(counts))] -= 1
+    return counts
+
+
+def write_datasets(work: Path, sharegpt_counts: list[int],
+                   mt_bench_counts: list[int]) -> dict[str, list[Path]]:
     """Per dataset, one file per concurrency level, holding prompts no other level has: a server
     that learns from what it served (vLLM's suffix method, our live datastore) gains nothing
     from an earlier cell, and neither does a prefix cache."""
@@ -110,7 +131,7 @@ def write_datasets(work: Path, num_cells: int, num_prompts: int) -> dict[str, li
     from sssd.common.data.corpus import iter_sharegpt, sharegpt_messages
 
     # Twice the prompts per cell: the client drops pairs outside its length limits.
-    per_cell = 2 * num_prompts
+    wanted = 2 * sum(sharegpt_counts)
     records = []
     for index, record in enumerate(iter_sharegpt(0, 12_000)):
         messages = sharegpt_messages(record)
@@ -119,20 +140,22 @@ def write_datasets(work: Path, num_cells: int, num_prompts: int) -> dict[str, li
             records.append({"id": str(index), "conversations": [
                 {"from": "human", "value": messages[0]["content"]},
                 {"from": "gpt", "value": messages[1]["content"]}]})
-        if len(records) == per_cell * num_cells:
+        if len(records) == wanted:
             break
-    questions = prompt_texts("mt_bench", 80)
-    if num_prompts * num_cells > len(questions):
-        raise SystemExit(f"MT-Bench has {len(questions)} first turns: at most "
-                         f"{len(questions) // num_cells} prompts per cell")
+    questions = prompt_texts("mt_bench", MT_BENCH_PROMPTS)
     files: dict[str, list[Path]] = {"sharegpt": [], "mt_bench": []}
-    for cell in range(num_cells):
+    sharegpt_start = mt_bench_start = 0
+    for cell, (sharegpt_count, mt_bench_count) in enumerate(zip(sharegpt_counts,
+                                                                mt_bench_counts)):
         sharegpt = work / f"sharegpt-{cell}.json"
-        sharegpt.write_text(json.dumps(records[cell * per_cell:(cell + 1) * per_cell]))
+        sharegpt.write_text(json.dumps(
+            records[sharegpt_start:sharegpt_start + 2 * sharegpt_count]))
+        sharegpt_start += 2 * sharegpt_count
         mt_bench = work / f"mt_bench-{cell}.jsonl"
         mt_bench.write_text("".join(
             json.dumps({"prompt": text}) + "\n"
-            for text in questions[cell * num_prompts:(cell + 1) * num_prompts]))
+            for text in questions[mt_bench_start:mt_bench_start + mt_bench_count]))
+        mt_bench_start += mt_bench_count
         files["sharegpt"].append(sharegpt)
         files["mt_bench"].append(mt_bench)
     return files
@@ -230,12 +253,13 @@ def skipped_reason(server: str) -> str | None:
 
 
 def run_client(args: argparse.Namespace, work: Path, port: int, served: str, model: Path,
-               dataset: str, path: Path, concurrency: int, extra_body: dict | None) -> dict:
+               dataset: str, path: Path, concurrency: int, num_prompts: int,
+               extra_body: dict | None) -> dict:
     result = work / f"result-{port}-{dataset}-{concurrency}-{bool(extra_body)}.json"
     command = [str(VLLM_PYTHON), "-c", CLIENT, "--backend", "openai", "--base-url",
                f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", str(model),
                "--served-model-name", served, "--tokenizer", str(model),
-               "--num-prompts", str(args.num_prompts), "--max-concurrency", str(concurrency),
+               "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
                "--request-rate", "inf", "--temperature", "0", "--seed", "0",
                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
                "--num-warmups", "1", "--save-result", "--result-dir", str(work),
@@ -282,7 +306,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--servers", default=",".join(SERVERS))
     parser.add_argument("--concurrency", default="1,4,8")
     parser.add_argument("--datasets", default="sharegpt,mt_bench")
-    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--num-prompts", type=int, default=16,
+                        help="prompts per cell at least (each concurrency level its own)")
+    parser.add_argument("--prompts-per-slot", type=int, default=8,
+                        help="a cell at concurrency c gets at least this many times c prompts")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--datastore", default=None,
@@ -307,8 +334,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="http-peers-") as tmp:
         work = Path(tmp)
+        counts = {"sharegpt": prompt_counts(args.concurrency, args.num_prompts,
+                                            args.prompts_per_slot),
+                  "mt_bench": prompt_counts(args.concurrency, args.num_prompts,
+                                            args.prompts_per_slot, MT_BENCH_PROMPTS)}
         datasets = {name: paths for name, paths in write_datasets(
-            work, len(args.concurrency), args.num_prompts).items()
+            work, counts["sharegpt"], counts["mt_bench"]).items()
             if name in args.datasets.split(",")}
         model = model_dir(work)
         for server in servers:
@@ -329,12 +360,13 @@ def main(argv: list[str] | None = None) -> None:
                 if server.startswith("ours") else [(server, None)]
             try:
                 for dataset, paths in datasets.items():
-                    for concurrency, path in zip(args.concurrency, paths):
+                    for concurrency, path, num_prompts in zip(args.concurrency, paths,
+                                                              counts[dataset]):
                         for name, extra_body in variants:
                             raw = run_client(args, work, port, served, model, dataset, path,
-                                             concurrency, extra_body)
+                                             concurrency, num_prompts, extra_body)
                             row = summarize(name, dataset, concurrency, raw)
-                            row |= {"dtype": args.dtype, "num_prompts": args.num_prompts,
+                            row |= {"dtype": args.dtype, "num_prompts": num_prompts,
                                     "output_len": args.output_len}
                             print(json.dumps(row), flush=True)
                             rows.append(row)
