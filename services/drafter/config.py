@@ -68,7 +68,8 @@ class DrafterConfig:
         49152, "token ids must be below it (SmolLM2-135M: 49152); shards of another size are "
         "refused")
     tokenizer_fingerprint: str | None = option(
-        None, "when set, shards built with another tokenizer are refused at load")
+        None, "when set, shards built with another tokenizer are refused at load; unset: the "
+        "first datastore's tokenizer is kept")
     num_threads: int = option(0, "threads of the batch call, the caller included; 0: one per "
                               "CPU core")
     max_batch_size: int = option(256, "sequences per Propose call")

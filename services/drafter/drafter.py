@@ -203,11 +203,18 @@ class LocalDrafter:
     def stats(self) -> dict[str, dict[str, float]]:
         return {}
 
+    @property
+    def tokenizer_fingerprint(self) -> str | None:
+        """The tokenizer this drafter's tokens are of: configured, else its datastore's."""
+        if self.config.tokenizer_fingerprint is not None or self.watcher is None:
+            return self.config.tokenizer_fingerprint
+        return self.watcher.tokenizer_fingerprint
+
     def info(self) -> dict:
         current = self.watcher.current if self.watcher is not None else None
         return {
             "vocab_size": self.config.vocab_size,
-            "tokenizer_fingerprint": self.config.tokenizer_fingerprint or "",
+            "tokenizer_fingerprint": self.tokenizer_fingerprint or "",
             "manifest_version": current.manifest.version if current else 0,
             "num_shards": len(current.shards) if current else 0,
             "num_datastore_tokens": current.num_tokens if current else 0,

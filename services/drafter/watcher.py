@@ -122,6 +122,16 @@ class DatastoreWatcher:
             except (ShardError, OSError, ValueError) as exc:
                 self._reject(manifest.version, str(exc))
                 return False
+            fingerprints = {shard.meta.tokenizer_fingerprint for shard in loaded.shards}
+            if len(fingerprints) > 1:
+                self._reject(manifest.version, "its shards were built with different tokenizers "
+                             f"({', '.join(sorted(f[:12] for f in fingerprints))})")
+                return False
+            if self._fingerprint is None and fingerprints:
+                # Started without one: the first datastore's tokenizer is the one served from
+                # now on (a later shard of another is refused) and the one `info` reports, so
+                # that a client checks it against its model's.
+                self._fingerprint = fingerprints.pop()
             self.current = loaded
             self.last_error = None
             weighted = sum(w > 1 for w in shard_weights(loaded.shards, self._model_shard_weight))
@@ -132,6 +142,12 @@ class DatastoreWatcher:
                 if weighted else "",
             )
             return True
+
+    @property
+    def tokenizer_fingerprint(self) -> str | None:
+        """The tokenizer whose shards are served: the configured one, else that of the first
+        datastore loaded (None before it)."""
+        return self._fingerprint
 
     def _reject(self, version: int | None, reason: str) -> None:
         if version is not None and version == self._rejected_version:

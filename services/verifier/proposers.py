@@ -12,12 +12,16 @@ cheapest by measured cost.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from typing import Any
 
 from sssd.common.drafting.proposer import Proposer
 from sssd.common.drafting.router import SourceRouter
 from sssd.common.model.loader import LoadedModel
 from sssd.verifier.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 # (config, model) -> the proposer, or None to decode without speculation.
 ProposerFactory = Callable[[EngineConfig, LoadedModel], Proposer | None]
@@ -36,7 +40,9 @@ def _sssd_drafter(use_datastore: bool) -> ProposerFactory:
         if config.drafter_target is not None:
             from sssd.drafter.replicas import connect
 
-            return connect(config.drafter_target, timeout_s=config.drafter_timeout_s)
+            remote = connect(config.drafter_target, timeout_s=config.drafter_timeout_s)
+            _check_drafter_tokenizer(remote, config.drafter_target, loaded.fingerprint)
+            return remote
         from sssd.drafter.config import DrafterConfig
         from sssd.drafter.drafter import LocalDrafter
 
@@ -46,6 +52,24 @@ def _sssd_drafter(use_datastore: bool) -> ProposerFactory:
                                           tokenizer_fingerprint=loaded.fingerprint)).start()
 
     return build
+
+
+def _check_drafter_tokenizer(remote: Any, target: str, fingerprint: str) -> None:
+    """Refuses a drafter service whose tokens are of another tokenizer than the model's. A
+    drafter that is down now is not waited for (steps decode without drafts until it is up,
+    and each tree's token ids are checked against the vocabulary then); a replica set reports
+    no single tokenizer."""
+    try:
+        theirs = remote.info().get("tokenizer_fingerprint", "")
+    except Exception as exc:  # noqa: BLE001 - a drafter that is down must not stop the server
+        logger.warning("the drafter at %s did not answer (%s): its tokenizer is not checked",
+                       target, exc)
+        return
+    if theirs and theirs != fingerprint:
+        remote.close()
+        raise ValueError(f"the drafter at {target} drafts with tokenizer {theirs[:12]}, the "
+                         f"model's is {fingerprint[:12]}: refused (start it on a datastore "
+                         "built with the model's tokenizer)")
 
 
 def _ssd_speculator(config: EngineConfig, loaded: LoadedModel) -> Proposer:

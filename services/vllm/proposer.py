@@ -190,6 +190,12 @@ class VllmDrafterProposer:
         self.settings = settings or ProposerSettings.from_config(vllm_config)
         self.num_speculative_tokens = int(
             vllm_config.speculative_config.num_speculative_tokens)
+        # A draft token outside the model's vocabulary would crash vLLM's engine (an index out
+        # of bounds in its embedding), so drafts are cut before one; see `_in_vocabulary`.
+        model_config = getattr(vllm_config, "model_config", None)
+        self.vocab_size = int(model_config.get_vocab_size()) \
+            if hasattr(model_config, "get_vocab_size") else None
+        self.num_foreign_drafts = 0
         if drafter is None:
             drafter = connect(self.settings.drafter, timeout_s=self.settings.timeout_s)
             if self.settings.check_tokenizer:
@@ -278,8 +284,25 @@ class VllmDrafterProposer:
             sampled = len(sampled_token_ids[row])
             if state.prompt_len is None and sampled:  # its first sampled token is here
                 state.prompt_len = len(context) - sampled
-        return [best_path(tree, self.num_speculative_tokens, self.settings.min_score)
+        return [self._in_vocabulary(best_path(tree, self.num_speculative_tokens,
+                                              self.settings.min_score))
                 for tree in trees]
+
+    def _in_vocabulary(self, draft: list[int]) -> list[int]:
+        """The draft up to its first token id outside the model's vocabulary (a drafter whose
+        datastore has another tokenizer, which `_check_tokenizer` refuses at start when the
+        drafter reports it); warned about once."""
+        if self.vocab_size is None:
+            return draft
+        for index, token in enumerate(draft):
+            if not 0 <= token < self.vocab_size:
+                if not self.num_foreign_drafts:
+                    logger.warning("the drafter drafted token id %d, outside the model's "
+                                   "vocabulary of %d: drafts are cut there (is its datastore "
+                                   "built with another tokenizer?)", token, self.vocab_size)
+                self.num_foreign_drafts += 1
+                return draft[:index]
+        return draft
 
     def close(self) -> None:
         with self._lock:

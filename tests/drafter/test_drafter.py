@@ -190,6 +190,38 @@ def test_damaged_new_shard_keeps_the_old_datastore_serving(drafter, datastore_di
     check(tree, 8, 3)
 
 
+def test_without_a_configured_tokenizer_the_datastores_is_reported_and_kept(datastore_dir):
+    """A drafter started on a datastore alone reports its shards' tokenizer (what a client
+    checks against its model's) and then refuses a shard of another tokenizer."""
+    drafter = LocalDrafter(DrafterConfig(datastore_dir=str(datastore_dir), vocab_size=VOCAB,
+                                         poll_interval_s=60)).start()
+    try:
+        assert drafter.info()["tokenizer_fingerprint"] == FINGERPRINT
+        old = read_manifest(datastore_dir)
+        write_shard(datastore_dir / "shard-foreign", make_stream(corpus(1, 20), VOCAB), VOCAB,
+                    "another-tokenizer")
+        write_manifest(datastore_dir, old.next(old.shards + ("shard-foreign",), None))
+        assert drafter.watcher.refresh() is False
+        assert "another-tokenizer"[:12] in drafter.watcher.last_error
+        assert drafter.info()["manifest_version"] == old.version
+    finally:
+        drafter.close()
+
+
+def test_a_datastore_of_mixed_tokenizers_is_refused(tmp_path):
+    build_datastore(tmp_path, corpus(0, 20), VOCAB, "one-tokenizer", shard_tokens=4000)
+    build_datastore(tmp_path, corpus(1, 20), VOCAB, "two-tokenizer", shard_tokens=4000,
+                    append=True)
+    drafter = LocalDrafter(DrafterConfig(datastore_dir=str(tmp_path), vocab_size=VOCAB,
+                                         poll_interval_s=60)).start()
+    try:
+        assert drafter.watcher.current is None
+        assert "different tokenizers" in drafter.watcher.last_error
+        assert drafter.info()["tokenizer_fingerprint"] == ""
+    finally:
+        drafter.close()
+
+
 def test_model_text_shards_are_weighted(tmp_path):
     """A shard of the served model's answers outweighs a corpus shard twice its length at
     weight 5, and is outweighed at weight 1 (the paper's algorithm)."""

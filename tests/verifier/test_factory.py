@@ -30,3 +30,25 @@ def test_config_names_the_bad_field():
         EngineConfig(mode="fast")
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype="float16")
+
+
+def test_a_drafter_service_of_another_tokenizer_is_refused(target_model_fp32, tmp_path):
+    """A drafter started on a datastore alone reports that datastore's tokenizer; an engine
+    whose model has another refuses it at build, before any request is served."""
+    from sssd.datastore.build import build_datastore
+    from sssd.drafter.config import DrafterConfig
+    from sssd.drafter.service import create_server
+    from sssd.verifier.proposers import PROPOSERS
+
+    vocab_size = target_model_fp32.vocab_size
+    build_datastore(tmp_path, [[1, 2, 3, 4, 5]] * 20, vocab_size, "another-tokenizer")
+    server, port, drafter = create_server(DrafterConfig(
+        datastore_dir=str(tmp_path), vocab_size=vocab_size, host="127.0.0.1", port=0,
+        num_threads=1))
+    try:
+        config = EngineConfig(mode="sssd", drafter_target=f"127.0.0.1:{port}")
+        with pytest.raises(ValueError, match="another-toke.*refused"):
+            PROPOSERS["sssd"](config, target_model_fp32)
+    finally:
+        server.stop(grace=0).wait()
+        drafter.close()

@@ -58,6 +58,17 @@ def test_rows_continue_their_sequences_with_only_the_new_tokens(fake_proposer):
     assert len(drafter.calls) == 2 and len(drafter.contexts) == 2  # no new sequences
 
 
+def test_drafts_stop_before_a_token_outside_the_vocabulary(fake_proposer):
+    """A drafter of another tokenizer must not crash vLLM (an index past its embedding): the
+    drafts are cut at the first foreign token id."""
+    config = vllm_config()
+    config.model_config = SimpleNamespace(get_vocab_size=lambda: 3)
+    proposer = VllmDrafterProposer(config, drafter=fake_proposer(4),
+                                   settings=ProposerSettings(drafter="127.0.0.1:1", budget=8))
+    assert Table([[0, 1, 2], [2, 2]]).call(proposer) == [[1, 2], [1, 2]]  # 3 is outside
+    assert proposer.num_foreign_drafts == 2
+
+
 def test_a_row_that_holds_another_request_starts_a_new_sequence(fake_proposer):
     proposer, drafter = make(fake_proposer)
     table = Table([[5, 6, 7], [9, 9]])

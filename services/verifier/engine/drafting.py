@@ -41,8 +41,11 @@ class Drafting:
     """The engine's side of its proposer (None: autoregressive decoding). Owns the proposer and
     closes it in `close()`."""
 
-    def __init__(self, proposer: Proposer | None) -> None:
+    def __init__(self, proposer: Proposer | None, vocab_size: int | None = None) -> None:
+        """`vocab_size`: the model's; a tree with a token id outside it (a drafter whose
+        datastore was built with another tokenizer) is a proposer failure, never a forward."""
         self.proposer = proposer
+        self.vocab_size = vocab_size
         # Larger trees than are verified, scored against the output later: only for proposers
         # whose trees are best-first and cheap to draft.
         self._hindsight = HindsightTracker() \
@@ -117,6 +120,7 @@ class Drafting:
                     if seq.request_id in missing.seq_ids:
                         seq.num_proposer_tokens = 0
                 trees = self.proposer.propose(_requests(running, budgets))
+            self._check_vocabulary(trees)
         except Exception as exc:  # noqa: BLE001 - any proposer failure: decode without it
             logger.warning("proposer failed (%s); this step decodes without speculation", exc)
             for seq in running:
@@ -126,6 +130,19 @@ class Drafting:
         for seq in running:
             seq.num_proposer_tokens = seq.num_tokens
         return Drafts(trees, budgets, time.perf_counter() - start, num_errors)
+
+
+    def _check_vocabulary(self, trees: list[DraftTree]) -> None:
+        """ValueError when a tree holds a token id the model does not have."""
+        if self.vocab_size is None or not trees:
+            return
+        largest = max(int(tree.token_ids.max()) for tree in trees)
+        smallest = min(int(tree.token_ids.min()) for tree in trees)
+        if largest >= self.vocab_size or smallest < 0:
+            bad = largest if largest >= self.vocab_size else smallest
+            raise ValueError(f"the proposer drafted token id {bad}, outside the model's "
+                             f"vocabulary of {self.vocab_size}: is its datastore built with "
+                             "another tokenizer?")
 
 
 def _requests(running: Seq[Sequence], budgets: list[int]) -> list[DraftRequest]:

@@ -63,7 +63,7 @@ class Engine:
         self.runner = runner
         self.eos_token_ids = frozenset(eos_token_ids)
         self.budget_policy = budget_policy
-        self.drafting = Drafting(proposer)
+        self.drafting = Drafting(proposer, runner.vocab_size)
         self.detokenize = detokenize
         self.scheduler = Scheduler(min(max_batch_size, runner.max_seqs), runner.move_slot)
         self.limits = RequestLimits.for_context(runner.vocab_size, runner.max_len,

@@ -153,6 +153,32 @@ def test_drafter_outage_and_restart_lose_nothing(engine_factory, mt_bench_prompt
     assert engine.stats.num_accepted > 0  # speculation resumed after the outage and restart
 
 
+class ForeignDrafter(OracleDrafter):
+    """Drafts the right continuation with one token id past the model's vocabulary, as a
+    drafter serving a datastore of another tokenizer would."""
+
+    def __init__(self, prompts, references, vocab_size):
+        super().__init__(prompts, references)
+        self.vocab_size = vocab_size
+
+    def propose(self, requests):
+        trees = super().propose(requests)
+        for tree in trees:
+            tree.token_ids[-1] = self.vocab_size + 5
+        return trees
+
+
+def test_a_token_outside_the_vocabulary_is_a_drafter_failure_not_a_crash(
+        engine_factory, mt_bench_prompts, greedy_references, target_model_fp32):
+    drafter = ForeignDrafter(mt_bench_prompts, greedy_references, target_model_fp32.vocab_size)
+    engine, _ = engine_factory(2, proposer=drafter, max_budget=8)
+    sequences = run(engine, mt_bench_prompts, [4, 5], 16)
+    for seq, index in zip(sequences, [4, 5]):
+        assert seq.output_ids == greedy_references[index][:16]
+    assert engine.stats.num_draft_failures == engine.stats.num_steps > 0  # every step fell back
+    assert engine.stats.num_accepted == 0
+
+
 def test_a_step_that_admits_runs_one_forward_pass_and_teaches_the_policy_nothing(
         engine_factory, mt_bench_prompts, greedy_references):
     """Three prompts, two slots: the third is admitted while the others decode, and its prompt
