@@ -206,7 +206,7 @@ def start_vllm(args: argparse.Namespace, server: str, work: Path, port: int,
     method = server.removeprefix("vllm-") if server != "vllm" else None
     if method == "sssd":
         drafter_port = free_port()
-        datastore = args.datastore or newest_datastore()
+        datastore = args.datastore or model_datastore(model)
         processes.append(spawn([str(DRAFTER), "--datastore-dir", datastore, "--vocab-size",
                                 str(datastore_vocab_size(datastore)), "--port",
                                 str(drafter_port), "--num-threads", "1"],
@@ -232,12 +232,20 @@ def start_vllm(args: argparse.Namespace, server: str, work: Path, port: int,
     return processes, "smollm2-135m"
 
 
-def newest_datastore() -> str:
-    found = sorted((ROOT / "var" / "demo-datastore").glob("sharegpt-*"),
-                   key=lambda p: p.stat().st_mtime)
+def model_datastore(model: Path) -> str:
+    """The demo datastore built with the served model's tokenizer (the one `sssd up` serves):
+    a drafter on another model's datastore drafts that model's token ids."""
+    from transformers import AutoTokenizer
+
+    from sssd.cli.datastores import datastore_fingerprint
+    from sssd.common.model.tokenizer import tokenizer_fingerprint
+
+    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(model))
+    found = [directory for directory in sorted((ROOT / "var" / "demo-datastore").glob("*"))
+             if datastore_fingerprint(directory) == fingerprint]
     if not found:
-        raise SystemExit("no datastore under var/demo-datastore: run `sssd up` once or pass "
-                         "--datastore")
+        raise SystemExit(f"no datastore of this model's tokenizer ({fingerprint[:12]}) under "
+                         "var/demo-datastore: run `sssd up` once or pass --datastore")
     return str(found[-1])
 
 
@@ -313,7 +321,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--datastore", default=None,
-                        help="the drafters' datastore (default: the newest demo datastore)")
+                        help="the drafters' datastore (default: the demo datastore of the "
+                        "model's tokenizer)")
     parser.add_argument("--k", type=int, default=4, help="vLLM's draft length")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2,
                         help="torch threads of our decode worker")
