@@ -56,6 +56,12 @@ RECENT_STEPS = 9
 PROFILE_AGREES = 0.15
 CALIBRATED_EXPLORE_FACTOR = 4  # a calibrated neighbour is explored this much more rarely
 SAME_COST = 1.02  # step times within 2 % count as the same cost
+# How fast the machine runs now against when the step times were learned (the pace) follows the
+# steps at calibrated budgets by this much per step, each step's ratio clipped to [1/PACE_CLIP,
+# PACE_CLIP]: a shared machine's slow spells then slow every budget's estimate alike, instead of
+# pricing whichever budget happened to be timed during one.
+PACE_DECAY = 0.1
+PACE_CLIP = 2.0
 DEFAULT_BATCHES = (1, 2, 4, 8)
 PROFILE_CONTEXT = 256  # cached tokens per sequence while profiling the forward pass
 
@@ -278,7 +284,9 @@ class MeasuredBudget:
         # Per sequence (its key), its own estimate per budget and the steps behind each.
         self._rows: OrderedDict[Hashable, tuple[dict[int, float], dict[int, int]]] = \
             OrderedDict()
-        self.observed_seconds: dict[tuple[int, int], float] = {}  # (b, s) -> estimate
+        # (b, s) -> estimate, in seconds at the pace the machine had when they were learned
+        self.observed_seconds: dict[tuple[int, int], float] = {}
+        self.pace = 1.0  # a step now takes this times its estimate (PACE_DECAY)
         # (b, s) -> median of its recent steps / its profiled time; the median of the trees'
         self._ratios: dict[tuple[int, int], float] = {}
         self._tree_ratio: float | None = None
@@ -393,6 +401,11 @@ class MeasuredBudget:
 
     def _learn_seconds(self, batch_size: int, budget: int, step_s: float) -> None:
         key = (batch_size, budget)
+        if self._calibrated(batch_size, budget):
+            ratio = step_s / (self.pace * self.observed_seconds[key])
+            ratio = min(max(ratio, 1.0 / PACE_CLIP), PACE_CLIP)
+            self.pace *= 1.0 + PACE_DECAY * (ratio - 1.0)
+        step_s /= self.pace  # what the step would have taken at the estimates' pace
         index = next((j for j, s in self.candidates if s == budget), None)
         profiled = None if index is None else self.profile.time(batch_size, index)
         old_seconds = self.observed_seconds.get(key)
