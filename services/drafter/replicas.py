@@ -195,6 +195,19 @@ class ReplicatedDrafter:
                 self.num_moved += self._owner.pop(requests[row].seq_id, None) is not None
 
 
+def check_tokenizer(drafter: Any, target: str, fingerprint: str) -> None:
+    """ValueError, after closing `drafter`, when the drafter at `target` reports another
+    tokenizer than `fingerprint` (its tokens would be another vocabulary's). One that reports
+    none passes: a replica set, or a drafter with no datastore yet. A drafter that does not
+    answer raises what its `info` raises."""
+    theirs = drafter.info().get("tokenizer_fingerprint", "")
+    if theirs and theirs != fingerprint:
+        drafter.close()
+        raise ValueError(f"the drafter at {target} drafts with tokenizer {theirs[:12]}, the "
+                         f"model's is {fingerprint[:12]}: refused (start it on a datastore "
+                         "built with the model's tokenizer)")
+
+
 def connect(target: str, timeout_s: float = 1.0) -> Proposer:
     """The drafter client for a target: `RemoteDrafter` for one "host:port", else a
     `ReplicatedDrafter` over the list or the DNS name."""

@@ -55,21 +55,18 @@ def _sssd_drafter(use_datastore: bool) -> ProposerFactory:
 
 
 def _check_drafter_tokenizer(remote: Any, target: str, fingerprint: str) -> None:
-    """Refuses a drafter service whose tokens are of another tokenizer than the model's. A
-    drafter that is down now is not waited for (steps decode without drafts until it is up,
-    and each tree's token ids are checked against the vocabulary then); a replica set reports
-    no single tokenizer."""
+    """`check_tokenizer`, except that a drafter that is down now is not waited for: steps
+    decode without drafts until it is up, and each tree's token ids are checked against the
+    model's vocabulary then."""
+    from sssd.drafter.replicas import check_tokenizer
+
     try:
-        theirs = remote.info().get("tokenizer_fingerprint", "")
+        check_tokenizer(remote, target, fingerprint)
+    except ValueError:
+        raise
     except Exception as exc:  # noqa: BLE001 - a drafter that is down must not stop the server
         logger.warning("the drafter at %s did not answer (%s): its tokenizer is not checked",
                        target, exc)
-        return
-    if theirs and theirs != fingerprint:
-        remote.close()
-        raise ValueError(f"the drafter at {target} drafts with tokenizer {theirs[:12]}, the "
-                         f"model's is {fingerprint[:12]}: refused (start it on a datastore "
-                         "built with the model's tokenizer)")
 
 
 def _ssd_speculator(config: EngineConfig, loaded: LoadedModel) -> Proposer:

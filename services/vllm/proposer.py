@@ -55,7 +55,7 @@ from sssd.common.conversations.record import STREAM, Conversation
 from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.drafting.proposer import DraftRequest, Proposer, SequenceNotFound
 from sssd.common.model.tokenizer import tokenizer_fingerprint
-from sssd.drafter.replicas import connect
+from sssd.drafter.replicas import check_tokenizer, connect
 
 logger = logging.getLogger(__name__)
 
@@ -411,15 +411,5 @@ def _continues(state: _Row, context: np.ndarray) -> bool:
 
 def _check_tokenizer(drafter: Any, vllm_config: Any, target: str) -> None:
     """Refuses a drafter whose datastore was built with another tokenizer than vLLM's model."""
-
-    # One replica's GetInfo has the fingerprint; a replica set reports its replicas instead.
-    theirs = drafter.info().get("tokenizer_fingerprint", "")
-    if not theirs:
-        return  # a drafter without a recorded fingerprint accepts any vocabulary
-    model_config = vllm_config.model_config
-    tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
-    ours = tokenizer_fingerprint(tokenizer)
-    if ours != theirs:
-        drafter.close()
-        raise ValueError(f"the drafter at {target} drafts with "
-                         f"tokenizer {theirs}, vLLM's model has {ours}: refused")
+    tokenizer = AutoTokenizer.from_pretrained(vllm_config.model_config.tokenizer)
+    check_tokenizer(drafter, target, tokenizer_fingerprint(tokenizer))

@@ -190,7 +190,7 @@ def test_damaged_new_shard_keeps_the_old_datastore_serving(drafter, datastore_di
     check(tree, 8, 3)
 
 
-def test_without_a_configured_tokenizer_the_datastores_is_reported_and_kept(datastore_dir):
+def test_without_a_configured_tokenizer_the_datastores_one_is_reported_and_kept(datastore_dir):
     """A drafter started on a datastore alone reports its shards' tokenizer (what a client
     checks against its model's) and then refuses a shard of another tokenizer."""
     drafter = LocalDrafter(DrafterConfig(datastore_dir=str(datastore_dir), vocab_size=VOCAB,
