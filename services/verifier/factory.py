@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from sssd.verifier.engine.budget_policy import (
     MeasuredBudget,
     RuleBudget,
     load_acceptance,
+    machine_load,
     profile_forward,
     profiled_batches,
 )
@@ -62,17 +62,26 @@ def make_budget_policy(config: EngineConfig, runner: ModelRunner,
             logger.info("acceptance prior from %s", stats_path)
             prior = saved
         profile = ForwardProfile.load(config.profile_path, setting)
+        if profile is not None and profile.busy and not machine_load()[2]:
+            # Its times are a busy machine's, too slow and unevenly so; the policy corrects
+            # them online, but a quiet start can have the right ones at once.
+            logger.info("forward profile %s was measured on a busy machine: measuring again "
+                        "now that it is quiet", config.profile_path)
+            profile = None
         # A profile made with fewer KV slots lacks the larger batches: measure again.
         if profile is not None and \
                 set(profiled_batches(config.max_batch_size)) <= set(profile.batches):
             logger.info("loaded forward profile %s", config.profile_path)
             return MeasuredBudget(profile, config.max_budget, prior=prior)
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    if load > 0.5 * cores:
+    load, cores, busy = machine_load()
+    if busy:
         logger.warning("profiling the forward pass on a busy machine (load %.1f on %d cores): "
-                       "its times, and so the budgets chosen, will be off", load, cores)
+                       "its times, and so the budgets chosen, will be off until the steps "
+                       "correct them; the next start on a quiet machine measures again", load,
+                       cores)
     start = time.perf_counter()
     profile = profile_forward(runner, config.max_batch_size)
+    profile.busy = busy
     logger.info("profiled the forward pass in %.1f s", time.perf_counter() - start)
     if config.profile_path:
         Path(config.profile_path).parent.mkdir(parents=True, exist_ok=True)

@@ -52,3 +52,35 @@ def test_a_drafter_service_of_another_tokenizer_is_refused(target_model_fp32, tm
     finally:
         server.stop(grace=0).wait()
         drafter.close()
+
+
+def test_a_profile_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet(
+        target_model_fp32, tmp_path, monkeypatch):
+    """A profile taken under load is saved as such; a later start on a quiet machine measures
+    again (and saves a quiet one), a start on a busy machine keeps it rather than measuring
+    under load once more, and a quiet profile is reused."""
+    import json
+
+    from sssd.verifier import factory
+    from sssd.verifier.engine.budget_policy import ForwardProfile
+    from sssd.verifier.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(target_model_fp32.model, max_seqs=2, max_len=512)
+    path = tmp_path / "profile.json"
+    config = EngineConfig(mode="sssd", budget_policy="measured", max_batch_size=2, max_len=512,
+                          dtype="float32", profile_path=str(path))
+
+    def build(busy):
+        monkeypatch.setattr(factory, "machine_load", lambda: (3.0 if busy else 0.1, 2, busy))
+        return factory.make_budget_policy(config, runner, model_name="m")
+
+    assert build(busy=True).profile.busy and ForwardProfile.load(path).busy
+    # Mark the saved profile so that a re-measurement shows: no real step takes an hour.
+    stale = ForwardProfile.load(path)
+    stale.seconds[:] = 3600.0
+    stale.save(path, json.loads(path.read_text())["setting"])
+    assert build(busy=True).profile.seconds.max() == 3600.0  # still busy: kept
+    quiet = build(busy=False).profile
+    assert not quiet.busy and quiet.seconds.max() < 3600.0  # quiet: measured again, saved
+    assert not ForwardProfile.load(path).busy
+    assert build(busy=False).profile.seconds.tolist() == quiet.seconds.tolist()  # reused

@@ -130,10 +130,14 @@ class RuleBudget(_NoHindsight):
 class ForwardProfile:
     """t(b, s_q) in seconds on a grid; interpolated in b, looked up in s_q."""
 
-    def __init__(self, batches: Sequence[int], budgets: Sequence[int], seconds: np.ndarray) -> None:
+    def __init__(self, batches: Sequence[int], budgets: Sequence[int], seconds: np.ndarray,
+                 busy: bool = False) -> None:
+        """`busy`: measured while other work ran on the machine (its times are too slow, and
+        not evenly so): a later start on a quiet machine measures again."""
         self.batches = list(batches)
         self.budgets = list(budgets)
         self.seconds = np.asarray(seconds, dtype=np.float64)  # [num_batches, num_budgets]
+        self.busy = busy
         self._times: dict[tuple[int, int], float] = {}
 
     def time(self, batch_size: int, budget_index: int) -> float:
@@ -169,7 +173,7 @@ class ForwardProfile:
         dtype, threads), so that `load` can refuse it for another."""
         _write_json(path, {"batches": self.batches, "budgets": self.budgets,
                            "seconds": self.seconds.tolist(), "measured_at": time.time(),
-                           "setting": setting or {}})
+                           "busy": self.busy, "setting": setting or {}})
 
     @classmethod
     def load(cls, path: str | os.PathLike, setting: dict | None = None) -> "ForwardProfile | None":
@@ -184,7 +188,8 @@ class ForwardProfile:
             logger.info("forward profile %s was measured with %s, not %s: measuring again",
                         path, raw.get("setting"), setting)
             return None
-        return cls(raw["batches"], raw["budgets"], np.asarray(raw["seconds"]))
+        return cls(raw["batches"], raw["budgets"], np.asarray(raw["seconds"]),
+                   busy=bool(raw.get("busy", False)))
 
 
 def _write_json(path: str | os.PathLike, payload: dict) -> None:
@@ -525,6 +530,13 @@ def load_acceptance(path: str | os.PathLike) -> dict[int, float] | None:
         return {int(s): float(v) for s, v in raw["expected_accepted"].items()}
     except (FileNotFoundError, KeyError, ValueError, json.JSONDecodeError):
         return None
+
+
+def machine_load() -> tuple[float, int, bool]:
+    """The one-minute load average, the cores, and whether the machine counts as busy for
+    profiling (load above half the cores: other work takes a core from the forward pass)."""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    return load, cores, load > 0.5 * cores
 
 
 def profiled_batches(max_batch_size: int) -> list[int]:

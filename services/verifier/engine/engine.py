@@ -263,13 +263,26 @@ class Engine:
     def _learn(self, keys: list[str], budget: int, drafts: Drafts, results: list[AcceptResult],
                step_start: float | None) -> None:
         """The budget policy learns from the step: its cost and what each row accepted, and
-        what earlier hindsight trees would have accepted, now that the tokens are out."""
+        what earlier hindsight trees would have accepted, now that the tokens are out.
+
+        It learns the budget the rows were verified at, which is less than the policy's
+        `budget` for a row whose request turned speculation off or whose cache slot is nearly
+        full, and 1 for every row when the proposer failed. Only the rows verified at the
+        step's largest budget teach its acceptance, and the step's time teaches its cost only
+        when every row was verified at it: a batch of requests with speculation off, timed as
+        a step of budget 32, would price budget 32 at a plain step's cost, and their empty
+        paths would pull its acceptance to zero."""
+        verified = max(drafts.budgets)
+        rows = [row for row, row_budget in enumerate(drafts.budgets) if row_budget == verified]
         # The policy prices a budget by the whole step's speculation work; a step that drafted
-        # a larger tree than it verified says nothing about the cost of `budget`.
-        step_s = None if drafts.is_hindsight or step_start is None \
-            else time.perf_counter() - step_start
-        self.budget_policy.observe(len(keys), budget, [r.accepted_nodes for r in results],
-                                   step_s, keys)
+        # a larger tree than it verified, or waited for a proposer that failed, says nothing
+        # about the cost of its budget.
+        timed = step_start is not None and len(rows) == len(keys) and \
+            not (drafts.is_hindsight or drafts.is_fallback)
+        step_s = time.perf_counter() - step_start if timed else None
+        self.budget_policy.observe(len(keys), verified, [results[row].accepted_nodes
+                                                         for row in rows],
+                                   step_s, [keys[row] for row in rows])
         for decided in self.drafting.decided_in_hindsight():
             self.budget_policy.observe_hindsight(decided.batch_size, decided.verified_budget,
                                                  decided.paths, decided.request_ids)

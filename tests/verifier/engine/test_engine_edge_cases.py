@@ -210,3 +210,42 @@ def test_a_step_that_admits_runs_one_forward_pass_and_teaches_the_policy_nothing
         assert (step_s is None) == (after_pass - 1 in mixed)
     for seq, reference, max_tokens in zip(sequences, greedy_references, (6, 20, 12)):
         assert seq.output_ids == reference[:max_tokens]
+
+
+def test_rows_without_speculation_teach_the_policy_only_what_they_ran(
+        engine_factory, oracle, mt_bench_prompts, greedy_references):
+    """Requests with speculation off beside speculating ones: a step teaches the policy the
+    budget its rows were verified at (1 when none drafted, which prices a plain step), the
+    acceptance of the rows that drafted, and its time only when every row ran that budget.
+    Before, an all-off batch was timed as a step of the policy's budget (a tree's cost learned
+    at a plain step's) and its empty paths taught that budget zero acceptance."""
+    engine, _ = engine_factory(2, proposer=oracle, max_budget=8)
+    observed = []
+    policy_observe = engine.budget_policy.observe
+
+    def observe(batch_size, budget, accepted_nodes, step_s, rows=None):
+        observed.append((batch_size, budget, [list(p) for p in accepted_nodes], step_s,
+                         list(rows or [])))
+        policy_observe(batch_size, budget, accepted_nodes, step_s, rows)
+
+    engine.budget_policy.observe = observe
+    requests = [GenerateRequest(tuple(mt_bench_prompts[i]), 16, speculate=speculate)
+                for i, speculate in ((0, False), (1, False), (2, True))]
+    off = [engine.add_request(request, request_id=str(i))
+           for i, request in enumerate(requests[:2])]
+    while engine.has_work():
+        engine.step()
+    all_off = list(observed)
+    assert all_off and all(budget == 1 and step_s is not None and rows == ["0", "1"] and
+                           paths == [[], []] for _, budget, paths, step_s, rows in all_off)
+    observed.clear()
+    mixed = [engine.add_request(requests[0], request_id="0"),
+             engine.add_request(requests[2], request_id="2")]
+    while engine.has_work():
+        engine.step()
+    two_rows = [entry for entry in observed if entry[0] == 2]
+    assert two_rows and all(budget == 8 and step_s is None and rows == ["2"] and len(paths) == 1
+                            for _, budget, paths, step_s, rows in two_rows)
+    assert any(paths[0] for _, _, paths, _, _ in two_rows)  # the oracle's chains were accepted
+    for seq, index in zip(off + mixed, (0, 1, 0, 2)):
+        assert seq.output_ids == greedy_references[index][:16]
