@@ -56,12 +56,14 @@ RECENT_STEPS = 9
 PROFILE_AGREES = 0.15
 CALIBRATED_EXPLORE_FACTOR = 4  # a calibrated neighbour is explored this much more rarely
 SAME_COST = 1.02  # step times within 2 % count as the same cost
-# How fast the machine runs now against when the step times were learned (the pace) follows the
-# steps at calibrated budgets by this much per step, each step's ratio clipped to [1/PACE_CLIP,
-# PACE_CLIP]: a shared machine's slow spells then slow every budget's estimate alike, instead of
-# pricing whichever budget happened to be timed during one.
-PACE_DECAY = 0.1
-PACE_CLIP = 2.0
+# How fast the machine runs now against when the step times were learned (the pace): the median,
+# over the last RECENT_STEPS steps at settled (b, s)s, of each step's time over its (b, s)'s
+# settled estimate. A (b, s) settles once it has RECENT_STEPS steps: its estimate is then kept,
+# in the units of the pace it was learned at, and only the pace moves. A shared machine's slow
+# spells then slow every budget's estimate alike, instead of pricing whichever budget happened
+# to be timed during one; and since settled estimates do not move, a long stretch at one
+# budget cannot trade its estimate against the pace (both free, the two drifted apart: the
+# plain step priced ever cheaper against every tree).
 DEFAULT_BATCHES = (1, 2, 4, 8)
 PROFILE_CONTEXT = 256  # cached tokens per sequence while profiling the forward pass
 
@@ -214,7 +216,11 @@ class MeasuredBudget:
     at (b, s_q), drafting and acceptance included, move them as a running mean, and from the
     CALIBRATION_STEPS-th step on the median of the last RECENT_STEPS replaces the profile's.
     (A profile is reused across starts, may have been taken on a busy machine, and a step costs
-    more than its forward pass: a budget's true cost is known only once it ran.)
+    more than its forward pass: a budget's true cost is known only once it ran.) Observed steps
+    are divided by the pace (how much slower the machine runs now than when the estimates were
+    learned), and a (b, s_q) with RECENT_STEPS steps settles: its estimate is kept and its
+    later steps move only the pace, the median of the last steps' ratios to their settled
+    estimates.
 
     A wrong profile must not keep a budget out for long. A step's cost does not fall as its
     budget grows, so a budget costs at most what a larger budget was measured to cost at this
@@ -291,7 +297,9 @@ class MeasuredBudget:
             OrderedDict()
         # (b, s) -> estimate, in seconds at the pace the machine had when they were learned
         self.observed_seconds: dict[tuple[int, int], float] = {}
-        self.pace = 1.0  # a step now takes this times its estimate (PACE_DECAY)
+        self.pace = 1.0  # a step now takes this times its estimate
+        self._pace_ratios: deque[float] = deque(maxlen=RECENT_STEPS)  # the last settled steps'
+        self._settled: dict[tuple[int, int], float] = {}  # (b, s) -> its kept estimate
         # (b, s) -> median of its recent steps / its profiled time; the median of the trees'
         self._ratios: dict[tuple[int, int], float] = {}
         self._tree_ratio: float | None = None
@@ -406,10 +414,12 @@ class MeasuredBudget:
 
     def _learn_seconds(self, batch_size: int, budget: int, step_s: float) -> None:
         key = (batch_size, budget)
-        if self._calibrated(batch_size, budget):
-            ratio = step_s / (self.pace * self.observed_seconds[key])
-            ratio = min(max(ratio, 1.0 / PACE_CLIP), PACE_CLIP)
-            self.pace *= 1.0 + PACE_DECAY * (ratio - 1.0)
+        settled = self._settled.get(key)
+        if settled is not None:
+            # A median, not a moving mean: step times are skewed to the slow side, and their
+            # mean ratio to a median estimate is above 1.
+            self._pace_ratios.append(step_s / settled)
+            self.pace = statistics.median(self._pace_ratios)
         step_s /= self.pace  # what the step would have taken at the estimates' pace
         index = next((j for j, s in self.candidates if s == budget), None)
         profiled = None if index is None else self.profile.time(batch_size, index)
@@ -424,6 +434,10 @@ class MeasuredBudget:
         recent = self._recent_seconds.setdefault(key, deque(maxlen=RECENT_STEPS))
         recent.append(step_s)
         median = statistics.median(recent)  # a few values: numpy's call costs more
+        if settled is not None:
+            median = settled
+        elif len(recent) == RECENT_STEPS:
+            self._settled[key] = median
         if len(recent) >= CALIBRATION_STEPS:
             self.observed_seconds[key] = median
         else:  # the profile's time still counts: one slow first step must not decide
