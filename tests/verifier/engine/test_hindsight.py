@@ -97,7 +97,9 @@ def steep_profile():
 def test_policy_drafts_largest_tree_every_nth_step_and_learns_only_above():
     policy = MeasuredBudget(steep_profile(), max_budget=32, hindsight_every=4,
                             prior={1: 0.0, 2: 0.1, 4: 0.2, 8: 0.3, 16: 0.3, 32: 0.3})
-    assert [policy.draft_budget(8, 1) for _ in range(8)] == [1, 1, 1, 32] * 2
+    # At budget 1 a hindsight tree is a drafter call the step would not make: 4x as rarely.
+    assert [policy.draft_budget(8, 1) for _ in range(32)] == ([1] * 15 + [32]) * 2
+    assert [policy.draft_budget(8, 2) for _ in range(8)] == [2, 2, 2, 32] * 2
     assert policy.draft_budget(8, 32) == 32  # nothing larger to learn
     before = dict(policy.expected_accepted)
     # Every row accepted nodes 1, 2, 5: 2 tokens at budget 4, 3 from budget 8 on.
