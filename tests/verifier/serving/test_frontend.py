@@ -2,6 +2,7 @@
 cancellation, deadlines, health, draining and client retries."""
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -127,8 +128,14 @@ def test_cancel_frees_the_sequence_at_once(frontend, mt_bench_prompts, wait_unti
 
 def test_deadline_ends_the_request(frontend, mt_bench_prompts, wait_until):
     stub = generate_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{frontend.port}"))
+    request = build_request(mt_bench_prompts[4], max_tokens=500)
+    # The deadline is a third of this (greedy, so repeatable) answer's own time: a fixed one
+    # outlived the whole answer on a faster machine.
+    start = time.perf_counter()
+    list(stub.Generate(request))
+    answer_s = time.perf_counter() - start
     with pytest.raises(grpc.RpcError) as info:
-        list(stub.Generate(build_request(mt_bench_prompts[4], max_tokens=500), timeout=1.0))
+        list(stub.Generate(request, timeout=answer_s / 3))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert wait_until(lambda: frontend.backend.num_requests == 0, timeout=5)
 
