@@ -75,7 +75,8 @@ def make_budget_policy(config: EngineConfig, runner: ModelRunner,
             return MeasuredBudget(profile, config.max_budget, prior=prior)
     load, cores, busy = machine_load()
     if busy:
-        logger.warning("profiling the forward pass on a busy machine (load %.1f on %d cores): "
+        logger.warning("profiling the forward pass on a busy machine (other processes keep "
+                       "%.1f of %d cores busy): "
                        "its times, and so the budgets chosen, will be off until the steps "
                        "correct them; the next start on a quiet machine measures again", load,
                        cores)

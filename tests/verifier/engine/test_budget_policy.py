@@ -425,3 +425,32 @@ def test_a_long_stretch_at_one_budget_does_not_drift_the_pace(seed):
     plain, tree = policy.observed_seconds[(1, 1)], policy.observed_seconds[(1, 16)]
     assert 0.7 < policy.pace < 1.4, policy.pace
     assert 0.55 < plain / tree < 0.85, (plain, tree)  # 0.04 / 0.06 at one pace
+
+
+def test_a_busy_machine_is_other_processes_work_not_this_ones():
+    """Whether a profile is taken on a busy machine counts the cores other processes keep busy:
+    this process's own work (a model just loaded and converted) is left out, which the load
+    average, the check before, counted (every Qwen2.5-Coder-1.5B start called itself busy)."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from sssd.verifier.engine.budget_policy import machine_load
+
+    deadline = time.monotonic() + 1.0
+    spinner = threading.Thread(target=lambda: [None for _ in iter(
+        lambda: time.monotonic() < deadline, False)])
+    spinner.start()
+    others, cores, _ = machine_load()
+    spinner.join()
+    assert others < 0.9 and cores >= 1  # one of our own threads spun a core meanwhile
+    spin = "import time\nend = time.monotonic() + 2.0\nwhile time.monotonic() < end: pass"
+    children = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(cores)]
+    try:
+        time.sleep(0.3)
+        others, _, busy = machine_load()
+    finally:
+        for child in children:
+            child.wait()
+    assert busy and others >= 0.5 * cores
