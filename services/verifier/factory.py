@@ -55,6 +55,7 @@ def make_budget_policy(config: EngineConfig, runner: ModelRunner,
                "products": runner.products, "device": runner.device.type,
                "torch_threads": torch.get_num_threads()}
     prior = DEFAULT_ACCEPTANCE_PRIOR
+    load = None  # machine_load(), once it was measured
     if config.profile_path:
         stats_path = acceptance_path(config.profile_path, config.mode)
         saved = load_acceptance(stats_path) if config.reuse_acceptance else None
@@ -62,23 +63,25 @@ def make_budget_policy(config: EngineConfig, runner: ModelRunner,
             logger.info("acceptance prior from %s", stats_path)
             prior = saved
         profile = ForwardProfile.load(config.profile_path, setting)
-        if profile is not None and profile.busy and not machine_load()[2]:
-            # Its times are a busy machine's, too slow and unevenly so; the policy corrects
-            # them online, but a quiet start can have the right ones at once.
-            logger.info("forward profile %s was measured on a busy machine: measuring again "
-                        "now that it is quiet", config.profile_path)
-            profile = None
+        if profile is not None and profile.busy:
+            load = machine_load()
+            if not load[2]:
+                # Its times are a busy machine's, too slow and unevenly so; the policy corrects
+                # them online, but a quiet start can have the right ones at once.
+                logger.info("forward profile %s was measured on a busy machine: measuring "
+                            "again now that it is quiet", config.profile_path)
+                profile = None
         # A profile made with fewer KV slots lacks the larger batches: measure again.
         if profile is not None and \
                 set(profiled_batches(config.max_batch_size)) <= set(profile.batches):
             logger.info("loaded forward profile %s", config.profile_path)
             return MeasuredBudget(profile, config.max_budget, prior=prior)
-    load, cores, busy = machine_load()
+    others, cores, busy = load or machine_load()  # measured once: it takes 0.3 s
     if busy:
         logger.warning("profiling the forward pass on a busy machine (other processes keep "
                        "%.1f of %d cores busy): "
                        "its times, and so the budgets chosen, will be off until the steps "
-                       "correct them; the next start on a quiet machine measures again", load,
+                       "correct them; the next start on a quiet machine measures again", others,
                        cores)
     start = time.perf_counter()
     profile = profile_forward(runner, config.max_batch_size)

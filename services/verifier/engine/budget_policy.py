@@ -300,7 +300,6 @@ class MeasuredBudget:
         self.observed_seconds: dict[tuple[int, int], float] = {}
         self.pace = 1.0  # a step now takes this times its estimate
         self._pace_ratios: deque[float] = deque(maxlen=RECENT_STEPS)  # the last settled steps'
-        self._settled: dict[tuple[int, int], float] = {}  # (b, s) -> its kept estimate
         # (b, s) -> median of its recent steps / its profiled time; the median of the trees'
         self._ratios: dict[tuple[int, int], float] = {}
         self._tree_ratio: float | None = None
@@ -415,12 +414,14 @@ class MeasuredBudget:
 
     def _learn_seconds(self, batch_size: int, budget: int, step_s: float) -> None:
         key = (batch_size, budget)
-        settled = self._settled.get(key)
-        if settled is not None:
-            # A median, not a moving mean: step times are skewed to the slow side, and their
-            # mean ratio to a median estimate is above 1.
-            self._pace_ratios.append(step_s / settled)
+        recent = self._recent_seconds.setdefault(key, deque(maxlen=RECENT_STEPS))
+        if len(recent) == RECENT_STEPS:
+            # Settled: its estimate (the median of those steps) is kept, and the step moves only
+            # the pace. A median, not a moving mean: step times are skewed to the slow side, and
+            # their mean ratio to a median estimate is above 1.
+            self._pace_ratios.append(step_s / self.observed_seconds[key])
             self.pace = statistics.median(self._pace_ratios)
+            return
         step_s /= self.pace  # what the step would have taken at the estimates' pace
         index = next((j for j, s in self.candidates if s == budget), None)
         profiled = None if index is None else self.profile.time(batch_size, index)
@@ -432,13 +433,8 @@ class MeasuredBudget:
                 self._expected_seconds(batch_size, index, budget)
             self._seconds_weights[key] = 0 if profiled is None else PROFILE_WEIGHT
         self._seconds_weights[key] += 1
-        recent = self._recent_seconds.setdefault(key, deque(maxlen=RECENT_STEPS))
         recent.append(step_s)
         median = statistics.median(recent)  # a few values: numpy's call costs more
-        if settled is not None:
-            median = settled
-        elif len(recent) == RECENT_STEPS:
-            self._settled[key] = median
         if len(recent) >= CALIBRATION_STEPS:
             self.observed_seconds[key] = median
         else:  # the profile's time still counts: one slow first step must not decide

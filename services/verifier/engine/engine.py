@@ -166,7 +166,7 @@ class Engine:
         self._emit_verified(verifying, drafts, results, rows)
         # The policy prices a budget by the step's speculation work: a pass that also ran a
         # prompt says nothing about it.
-        self._learn(keys, budget, drafts, results, None if prompts else step_start)
+        self._learn(keys, drafts, results, None if prompts else step_start)
         finished += self._retire()
         output = StepOutput(list(rows.values()), finished, len(results), budget, drafts.draft_s,
                             verify_s, prefill_s, drafts.num_errors, drafts.is_fallback)
@@ -260,13 +260,13 @@ class Engine:
                                              result.num_accepted, row_budget, is_verified=True,
                                              num_drafted=tree.num_nodes - 1)
 
-    def _learn(self, keys: list[str], budget: int, drafts: Drafts, results: list[AcceptResult],
+    def _learn(self, keys: list[str], drafts: Drafts, results: list[AcceptResult],
                step_start: float | None) -> None:
         """The budget policy learns from the step: its cost and what each row accepted, and
         what earlier hindsight trees would have accepted, now that the tokens are out.
 
-        It learns the budget the rows were verified at, which is less than the policy's
-        `budget` for a row whose request turned speculation off or whose cache slot is nearly
+        It learns the budget the rows were verified at, which is less than the policy chose
+        for a row whose request turned speculation off or whose cache slot is nearly
         full, and 1 for every row when the proposer failed. Only the rows verified at the
         step's largest budget teach its acceptance, and the step's time teaches its cost only
         when every row was verified at it: a batch of requests with speculation off, timed as

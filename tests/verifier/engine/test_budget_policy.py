@@ -438,9 +438,12 @@ def test_a_busy_machine_is_other_processes_work_not_this_ones():
 
     from sssd.verifier.engine.budget_policy import machine_load
 
-    deadline = time.monotonic() + 1.0
-    spinner = threading.Thread(target=lambda: [None for _ in iter(
-        lambda: time.monotonic() < deadline, False)])
+    def spin_one_core():
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            pass
+
+    spinner = threading.Thread(target=spin_one_core)
     spinner.start()
     others, cores, _ = machine_load()
     spinner.join()
