@@ -63,6 +63,15 @@ class TreeBatch:
         return mask.to(self.input_ids.device, non_blocking=True)
 
 
+    @cached_property
+    def is_prompt(self) -> bool:
+        """One row, a chain written from cache position 0: a prompt, whose attention is plain
+        causal attention over its own keys."""
+        if len(self.trees) != 1 or self.host_cache_lens[0] != 0:
+            return False
+        parents = self.trees[0].parents
+        return bool(np.array_equal(parents, np.arange(-1, len(parents) - 1)))
+
     def path_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each node's keys in the order of their text positions: the cached prefix, then its
         ancestors from the root, then itself (a padding node: the prefix and itself), as cache

@@ -144,3 +144,28 @@ def test_a_step_that_does_not_fit_is_refused(target_model_fp32):
     runner.prefill(0, list(range(10, 110)))
     with pytest.raises(ValueError, match="cache positions"):
         runner.verify(random_trees(np.random.default_rng(0), 1, 40, 1000))
+
+
+def test_a_prompt_attends_causally_over_its_own_keys_without_the_square_of_scores():
+    """A prompt past the tree kernel's 64 nodes takes PyTorch's flash kernel (is_causal), which
+    never holds its n x n scores; it equals the masked two-product attention it replaced, and
+    only a single chain written from position 0 takes it."""
+    from sssd.verifier.engine.decoder import grouped_attention, prompt_attention
+    from sssd.verifier.engine.tree_batch import build_tree_batch, chain_tree
+
+    prompt = chain_tree(np.arange(3, 303))
+    batch = build_tree_batch([prompt], [0], torch.float32)
+    assert batch.is_prompt
+    assert not build_tree_batch([prompt], [5], torch.float32).is_prompt  # after cached tokens
+    assert not build_tree_batch([prompt, prompt], [0, 0], torch.float32).is_prompt
+    branching = DraftTree(np.arange(3, 103, dtype=np.int32),
+                          np.array([-1] + [0] * 99, dtype=np.int32))
+    assert not build_tree_batch([branching], [0], torch.float32).is_prompt
+
+    torch.manual_seed(0)
+    n = prompt.num_nodes
+    q = torch.randn(1, 6, n, 32)
+    keys, values = torch.randn(1, 2, n, 32), torch.randn(1, 2, n, 32)
+    mask = batch.attention_mask[..., :n]  # the kv_len past n is padding nobody attends
+    expected = grouped_attention(q, keys, values, mask, 0.2)
+    assert (prompt_attention(q, keys, values, 0.2) - expected).abs().max() < 1e-5
