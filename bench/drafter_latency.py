@@ -184,11 +184,16 @@ def rss_probe(datastore_dir: str) -> dict:
     drafter.start()
     loaded = drafter.watcher.current
     for shard in loaded.shards:
-        for array in shard.core_view():
-            touch_pages(array)
+        touch_shard(shard)
     rss_after = process.memory_info().rss
     drafter.close()
     return {"rss_before": rss_before, "rss_after": rss_after, "tokens": loaded.num_tokens}
+
+
+def touch_shard(shard) -> None:
+    """Reads every page of a shard's arrays (core_view's last item is the shard's weight)."""
+    for array in shard.core_view()[:-1]:
+        touch_pages(array)
 
 
 def measure_rss(datastore_dir: Path) -> dict:
@@ -414,8 +419,7 @@ def bench_datastore(args: argparse.Namespace, text: SyntheticText, held_out: lis
         drafter = LocalDrafter(config(num_threads))
         drafter.start()
         for shard in drafter.watcher.current.shards:
-            for array in shard.core_view():
-                touch_pages(array)
+            touch_shard(shard)
         core = TimedCore(drafter._core)
         drafter._core = core  # benchmark-only: time the C++ call apart from the Python layer
         for batch in args.batches:
