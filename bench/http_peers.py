@@ -3,7 +3,7 @@ called as the module `vllm.benchmarks.serve` from .venv-vllm) against our stack'
 and against vLLM's own server, one server at a time, fully offline.
 
     .venv/bin/python bench/http_peers.py
-        [--servers ours,ours-local,vllm,vllm-sssd,vllm-suffix,vllm-ngram]
+        [--servers ours,ours-local,ours-inproc,vllm,vllm-sssd,vllm-suffix,vllm-ngram]
         [--concurrency 1,4,8] [--datasets sharegpt,mt_bench] [--num-prompts 16]
         [--prompts-per-slot 8]
         [--output-len 128] [--dtype bfloat16] [--datastore DIR] [--k 4]
@@ -17,6 +17,8 @@ Servers (same model, SmolLM2-135M-Instruct, same dtype, greedy):
   (the request field `speculation: off`, sent by the client's --extra-body);
 - ours-local: the same with `sssd up --no-ray` (the engine in the API's process, prompts prefilled
   inside its decode steps), as `ours-local` and `ours-local-off`;
+- ours-inproc: `sssd up --no-ray --drafter-in-process`, the single-process deployment: the SSSD
+  core drafts in the engine's process from the same datastore, no gRPC round trip per step;
 - vllm: vLLM's OpenAI server without speculation;
 - vllm-sssd: vLLM with our drafter service as its proposer (`custom_class`, k = --k);
 - vllm-suffix, vllm-ngram: vLLM's own `suffix` (ArcticInference; `scripts/setup_vllm.sh
@@ -64,7 +66,7 @@ SSSD = ROOT / ".venv" / "bin" / "sssd"
 DRAFTER = ROOT / ".venv" / "bin" / "sssd-drafter"
 PROPOSER = "sssd.vllm.proposer.VllmDrafterProposer"
 MT_BENCH_PROMPTS = 80  # MT-Bench's first turns
-SERVERS = ("ours", "ours-local", "vllm", "vllm-sssd", "vllm-suffix", "vllm-ngram")
+SERVERS = ("ours", "ours-local", "ours-inproc", "vllm", "vllm-sssd", "vllm-suffix", "vllm-ngram")
 # Run under .venv-vllm: vLLM's own benchmark client, as `vllm bench serve` runs it.
 CLIENT = ("import sys\n"
           "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
@@ -180,6 +182,8 @@ def start_ours(args: argparse.Namespace, server: str, work: Path,
                "--served-model-name", "smollm2-135m"]
     if server == "ours-local":
         command.append("--no-ray")
+    elif server == "ours-inproc":
+        command += ["--no-ray", "--drafter-in-process"]
     else:  # Ray's default splits the cores between the prefill and the decode worker
         command += ["--torch-threads", str(args.threads)]
     if args.datastore:

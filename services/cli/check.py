@@ -54,7 +54,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def run_check(target: str, prompt: str, max_tokens: int, rounds: int,
-              drafter_target: str | None, model: str | None) -> None:
+              drafting: tuple[str | None, str | None] | None, model: str | None) -> None:
+    """`drafting`: (drafter service target, or None and the datastore an in-process drafter
+    loads) for the float32 exactness check; None: no exactness check."""
     print(f"\n>>> {prompt}\n", flush=True)
     with GenerationClient(target) as client:
         first = ask(client, prompt, max_tokens, "auto", echo=True)
@@ -88,13 +90,14 @@ def run_check(target: str, prompt: str, max_tokens: int, rounds: int,
         print(f"[outputs with and without speculation: first differ at token {difference} of "
               f"{len(off[0].token_ids)}: the server computes in bfloat16, whose rounding "
               "depends on the batch and tree shape and can flip a near-tie]", flush=True)
-    if drafter_target is not None:
-        exact_check(prompt, max_tokens, drafter_target, model)
+    if drafting is not None:
+        exact_check(prompt, max_tokens, *drafting, model)
 
 
-def exact_check(prompt: str, max_tokens: int, drafter_target: str, model: str | None) -> None:
-    """float32 in this process: drafts from the drafter service against none, token for
-    token."""
+def exact_check(prompt: str, max_tokens: int, drafter_target: str | None,
+                datastore_dir: str | None, model: str | None) -> None:
+    """float32 in this process: drafts from the drafter service (or, without one, from the
+    datastore in this process) against none, token for token."""
     # Here only: the rest of `sssd up`'s process never loads torch.
     from sssd.common.model.loader import load_causal_lm
     from sssd.verifier.engine import EngineConfig
@@ -103,7 +106,8 @@ def exact_check(prompt: str, max_tokens: int, drafter_target: str, model: str | 
     loaded = load_causal_lm(model, "float32")
     prompt_ids = prompt_token_ids(loaded.tokenizer, prompt)
     base = dict(dtype="float32", max_batch_size=1, max_len=len(prompt_ids) + max_tokens + 64,
-                budget_policy="rule", drafter_target=drafter_target, drafter_timeout_s=5.0)
+                budget_policy="rule", drafter_target=drafter_target,
+                datastore_dir=None if drafter_target else datastore_dir, drafter_timeout_s=5.0)
     outputs, engines = [], []
     for mode in ("sssd", "ar"):
         engine = build_engine(EngineConfig(mode=mode, model=model, **base), loaded)
@@ -114,6 +118,7 @@ def exact_check(prompt: str, max_tokens: int, drafter_target: str, model: str | 
     accepted = engines[0].stats.num_accepted
     verdict = "identical" if outputs[0] == outputs[1] else \
         f"DIFFERENT from token {first_difference(outputs[0], outputs[1])}"
+    source = "the drafter service" if drafter_target else "the datastore"
     print(f"[exact check, float32 in this process: with {accepted} draft tokens accepted from "
-          f"the drafter service, the answer is {verdict} to plain greedy decoding "
-          f"({len(outputs[1])} tokens)]", flush=True)
+          f"{source}, the answer is {verdict} to plain greedy decoding ({len(outputs[1])} "
+          "tokens)]", flush=True)

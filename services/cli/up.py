@@ -40,6 +40,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from sssd.cli.check import run_check
@@ -115,6 +116,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stack = parser.add_argument_group("the rest of the stack")
     stack.add_argument("--drafter-port", type=int, default=DRAFTER_PORT,
                        help=f"the drafter service (default {DRAFTER_PORT})")
+    stack.add_argument("--drafter-in-process", action="store_true",
+                       help="draft with the SSSD core inside each engine process (the same "
+                       "datastore, new live shards picked up the same way) instead of the "
+                       "drafter service: saves a gRPC round trip per step (about 1.5 ms on 2 "
+                       "cores, a fifth of a SmolLM2 decode step), at the cost of a drafter "
+                       "per engine and none that other servers share")
     add_datastore_arguments(stack)
     stack.add_argument("--speculator", action="store_true",
                        help="draft with the SSD speculator service (mode ssd; the SSSD drafter "
@@ -184,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
         speculator_target = f"{args.host}:{args.speculator_port}" if args.speculator else None
         engine = from_args(EngineConfig, args, exclude=ENGINE_EXCLUDED,
                            mode="ssd" if args.speculator else "sssd",
-                           drafter_target=f"{args.host}:{args.drafter_port}",
+                           drafter_target=None if args.drafter_in_process
+                           else f"{args.host}:{args.drafter_port}",
                            speculator_target=speculator_target)
         frontend_values = dict(engine=engine, max_workers=args.max_requests + 16,
                                ray=None if args.no_ray else ray_config)
@@ -252,9 +260,17 @@ def run(args: argparse.Namespace) -> int:
         publish = PublishConfig(redis_url, str(Path("var/live/spool").absolute()),
                                 password=redis_password)
         datastore = live
-    components.append(ChildService("drafter service", lambda: start_drafter(
-        datastore, vocab, fingerprint, args.host, args.drafter_port), monitor, lambda process: (
-            f"[2/5] drafter service on {args.host}:{args.drafter_port} (pid {process.pid})")))
+    if args.drafter_in_process:
+        # The engine's own drafter loads the datastore (the live one: it follows the manifest).
+        engine = replace(engine, datastore_dir=str(Path(datastore).absolute()))
+        frontend_values["engine"] = engine
+        print(f"[2/5] drafting in the engine's process from {datastore} "
+              "(--drafter-in-process)", flush=True)
+    else:
+        components.append(ChildService("drafter service", lambda: start_drafter(
+            datastore, vocab, fingerprint, args.host, args.drafter_port), monitor,
+            lambda process: (f"[2/5] drafter service on {args.host}:{args.drafter_port} "
+                             f"(pid {process.pid})")))
     if args.speculator:
         components.append(ChildService("speculator", lambda: start_speculator(
             args.speculator_model or args.model, args.speculator_draft_layers, args.host,
@@ -280,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
         target = f"{args.host}:{api.frontend.port}"
         print("[5/5] a check prompt through the API", flush=True)
         run_check(target, args.prompt, args.max_tokens, max(1, args.check_rounds),
-                  None if args.no_exact_check else f"{args.host}:{args.drafter_port}",
+                  None if args.no_exact_check else (engine.drafter_target, engine.datastore_dir),
                   args.model)
         if speculator_target is not None:
             print_speculator(speculator_target)
@@ -297,7 +313,9 @@ def run(args: argparse.Namespace) -> int:
 
 def stack_ports(args: argparse.Namespace) -> dict[str, int]:
     """Every port the stack will bind, by the flag that moves it."""
-    ports = {"--port": args.port, "--drafter-port": args.drafter_port}
+    ports = {"--port": args.port}
+    if not args.drafter_in_process:
+        ports["--drafter-port"] = args.drafter_port
     if not args.no_ray:
         ports |= {"--dashboard-port": args.dashboard_port, "--metrics-port": args.metrics_port}
     if args.http:

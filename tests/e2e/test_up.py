@@ -120,6 +120,39 @@ def test_sssd_up_no_ray_serves_from_its_own_process(tmp_path, warm_datastore, fr
     assert not (tmp_path / "var" / "ray").exists()
 
 
+def test_sssd_up_drafter_in_process_drafts_from_the_live_datastore(tmp_path, warm_datastore,
+                                                                   free_port):
+    """`--no-ray --drafter-in-process`: one process serves and drafts (no drafter service, its
+    port left alone), the live datastore still grows from the answers, and the exact check
+    drafts from the same datastore."""
+    sssd = Path(sys.executable).with_name("sssd")
+    with socket.socket() as other:  # the drafter's port is not needed: another server holds it
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        done = subprocess.run(
+            [str(sssd), "up", "--once", "--no-ray", "--drafter-in-process", "--datastore",
+             warm_datastore, "--port", str(free_port()), "--http-port", str(free_port()),
+             "--drafter-port", str(other.getsockname()[1]), "--redis-port", str(free_port()),
+             "--indexer-port", str(free_port()), "--indexer-metrics-port", str(free_port()),
+             "--build-tokens", "1", "--build-interval-s", "1", "--max-batch-size", "2",
+             "--max-len", "512", "--max-tokens", "12", "--prompt", "Name a colour.",
+             "--check-rounds", "1"],
+            cwd=tmp_path, env={k: v for k, v in os.environ.items()
+                               if not k.startswith(("RAY_", "SSSD_"))},
+            capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "[2/5] drafting in the engine's process from var/live/datastore" in out, out
+    assert "drafter service" not in out
+    assert re.search(r"\[speculation: .* tokens per step; first steps: budget ", out), out
+    assert "[outputs with and without speculation: identical" in out
+    assert "accepted from the datastore, the answer is identical to plain greedy decoding" in out
+    from sssd.datastore.build import read_documents
+
+    live = read_documents(tmp_path / "var" / "live" / "datastore")
+    assert len(live) == len(read_documents(warm_datastore)) + 3
+
+
 def test_sssd_serve_names_a_taken_http_port(tmp_path):
     sssd = Path(sys.executable).with_name("sssd")
     with socket.socket() as other:
