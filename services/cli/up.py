@@ -119,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stack.add_argument("--drafter-in-process", action="store_true",
                        help="draft with the SSSD core inside each engine process (the same "
                        "datastore, new live shards picked up the same way) instead of the "
-                       "drafter service: saves a gRPC round trip per step (about 1.5 ms on 2 "
+                       "drafter service: saves a gRPC round trip per step (about 1.3 ms on 2 "
                        "cores, a fifth of a SmolLM2 decode step), at the cost of a drafter "
                        "per engine and none that other servers share")
     add_datastore_arguments(stack)
