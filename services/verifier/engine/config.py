@@ -83,6 +83,10 @@ class EngineConfig:
         SERVING_PROFILE_PATH, "saved forward-pass profile of the measured policy (made when "
         "missing); its acceptance statistics are kept beside it and are the next start's "
         "prior; empty: profile at every start, keep nothing")
+    step_trace: str | None = option(
+        None, "append one JSON line per engine step to this file: batch size, each row's budget "
+        "and accepted drafts, seconds drafting, verifying and prefilling (what speculation did "
+        "when it did not pay); a Ray decode worker writes FILE.<worker>")
     reuse_acceptance: bool = option(
         True, "start the measured policy from the acceptance statistics saved beside the "
         "profile (else from the built-in prior)")

@@ -1,5 +1,6 @@
 """One place that puts a serving loop together: the engine, its loop and the loop's observers
-(metrics, the live datastore's conversation sink, the acceptance statistics on disk)."""
+(metrics, the live datastore's conversation sink, the acceptance statistics on disk, the step
+trace)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.factory import acceptance_path, build_engine
 from sssd.verifier.serving.loop import EngineLoop
 from sssd.verifier.serving.metrics import DecodeMetrics
-from sssd.verifier.serving.observers import AcceptanceSaver, LoopObserver, Observers
+from sssd.verifier.serving.observers import (
+    AcceptanceSaver,
+    LoopObserver,
+    Observers,
+    StepTrace,
+)
 from sssd.verifier.serving.publish import ConversationSink
 
 
@@ -33,4 +39,7 @@ def build_engine_loop(config: EngineConfig, loaded: LoadedModel, max_requests: i
                                          acceptance_path(config.profile_path, config.mode)))
     if ray_metrics:
         observers.append(DecodeMetrics(worker, publisher=publisher, proposer=engine.proposer))
+    if config.step_trace:
+        observers.append(StepTrace(config.step_trace if worker == "local"
+                                   else f"{config.step_trace}.{worker}"))
     return EngineLoop(engine, max_requests, Observers(*observers)).start()
