@@ -106,8 +106,8 @@ def exact_check(prompt: str, max_tokens: int, drafter_target: str | None,
     loaded = load_causal_lm(model, "float32")
     prompt_ids = prompt_token_ids(loaded.tokenizer, prompt)
     base = dict(dtype="float32", max_batch_size=1, max_len=len(prompt_ids) + max_tokens + 64,
-                budget_policy="rule", drafter_target=drafter_target,
-                datastore_dir=None if drafter_target else datastore_dir, drafter_timeout_s=5.0)
+                budget_policy="rule", drafter_target=drafter_target, datastore_dir=datastore_dir,
+                drafter_timeout_s=5.0)
     outputs, engines = [], []
     for mode in ("sssd", "ar"):
         engine = build_engine(EngineConfig(mode=mode, model=model, **base), loaded)

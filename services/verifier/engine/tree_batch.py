@@ -62,15 +62,12 @@ class TreeBatch:
         mask.masked_fill_(torch.from_numpy(~allowed).unsqueeze(1), torch.finfo(self.dtype).min)
         return mask.to(self.input_ids.device, non_blocking=True)
 
-
     @cached_property
     def is_prompt(self) -> bool:
         """One row, a chain written from cache position 0: a prompt, whose attention is plain
         causal attention over its own keys."""
-        if len(self.trees) != 1 or self.host_cache_lens[0] != 0:
-            return False
-        parents = self.trees[0].parents
-        return bool(np.array_equal(parents, np.arange(-1, len(parents) - 1)))
+        return len(self.trees) == 1 and self.host_cache_lens[0] == 0 and \
+            is_chain(self.trees[0].parents)
 
     def path_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each node's keys in the order of their text positions: the cached prefix, then its
@@ -157,7 +154,7 @@ def build_tree_batch(
         n = tree.num_nodes
         input_ids[row, :n] = tree.token_ids
         input_ids[row, n:] = tree.token_ids[0]
-        if n > 1 and np.array_equal(tree.parents, np.arange(-1, n - 1)):  # a chain: a prompt
+        if n > 1 and is_chain(tree.parents):  # a prompt
             depths[row, :n] = np.arange(n)
             if with_bits:  # nodes 0..j (2^(j + 1) - 1; at j = 63 the shift wraps to 0)
                 bits[row, :n] = (own[:n] << np.uint64(1)) - np.uint64(1)
@@ -182,6 +179,11 @@ def build_tree_batch(
         trees=trees,
         dtype=dtype,
     )
+
+
+def is_chain(parents: np.ndarray) -> bool:
+    """Node j's parent is j - 1 for every node: a chain, as a prompt is."""
+    return bool(np.array_equal(parents, np.arange(-1, len(parents) - 1)))
 
 
 def chain_tree(token_ids: Sequence[int] | np.ndarray) -> DraftTree:
