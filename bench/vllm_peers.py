@@ -6,10 +6,13 @@ Runs in .venv-vllm (scripts/setup_vllm.sh):
     .venv-vllm/bin/python bench/vllm_peers.py [--sets mt_bench,code] [--prompts 8]
         [--max-tokens 64] [--batch-sizes 1,8] [--modes none,ngram,suffix,sssd,sssd-self,engine]
         [--k 4] [--budget 16] [--min-score 0.2] [--datastore DIR] [--self-datastore DIR]
-        [--out bench/results/vllm-peers.jsonl]
+        [--model qwen-coder-1.5b] [--dtype bfloat16] [--out bench/results/vllm-peers.jsonl]
     .venv/bin/python bench/vllm_peers.py --plot bench/results/vllm-peers.jsonl   # the PNG only
 
-The model is the default SmolLM2-135M-Instruct in float32 (`sssd.vllm.export_model`). Modes:
+The model is the default SmolLM2-135M-Instruct in float32 unless --model (a name of `sssd-models
+list`) and --dtype say otherwise (`sssd.vllm.export_model`); a datastore must be built with the
+model's tokenizer (the default is the newest under var/demo-datastore whose vocabulary is the
+model's). Modes:
 `none`, `ngram` (prompt lookup, n = 2..4) and `suffix` (ArcticInference's SuffixDecoding) are
 vLLM's; `sssd` and `sssd-self` are vLLM with `sssd.vllm.proposer.VllmDrafterProposer` over an
 `sssd-drafter` service on 127.0.0.1, holding the ShareGPT datastore `sssd up` builds (default:
@@ -79,7 +82,7 @@ def vllm_worker(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     if spec is not None and spec(args.k)["method"] == "custom_class":
         extra["additional_config"] = {"sssd": {"drafter": args.drafter, "budget": args.budget,
                                                "min_score": args.min_score}}
-    llm = LLM(model=args.model, dtype="float32", max_model_len=1024, enforce_eager=True,
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=1024, enforce_eager=True,
               max_num_seqs=args.batch_size, disable_log_stats=False,
               speculative_config=spec(args.k) if spec else None, **extra)
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -108,11 +111,11 @@ def engine_worker(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     from sssd.verifier.engine import EngineConfig, EngineStats
     from sssd.verifier.factory import build_engine
 
-    loaded = load_causal_lm(None, "float32")
+    loaded = load_causal_lm(args.model_name or None, args.dtype)
     runs = {}
     for mode in ("ar", "sssd"):
         config = EngineConfig(mode=mode, max_batch_size=args.batch_size, max_len=1024,
-                              dtype="float32", drafter_target=args.drafter,
+                              dtype=args.dtype, drafter_target=args.drafter,
                               drafter_timeout_s=5.0, max_budget=args.budget,
                               budget_policy="rule")
         engine = build_engine(config, loaded)
@@ -145,17 +148,12 @@ def free_port() -> int:
 
 
 def datastore_vocab_size(datastore: str) -> int:
-    """The vocabulary the datastore's shards were built for, which the drafter must serve: one
-    started for another refuses the shards and every token id beyond its vocabulary (before
+    """The vocabulary the datastore's shards were built for, which the drafter must serve (before
     2026-11-27 this started every drafter for SmolLM2's 49,152, so the Qwen2.5 rows of vLLM with
-    our drafter ran without drafts)."""
-    from sssd.datastore.manifest import read_manifest
-    from sssd.datastore.shard import read_meta
+    our drafter ran without drafts); an empty datastore: SmolLM2's, the default model's."""
+    from sssd.datastore.shard import datastore_vocab_size as built_for
 
-    manifest = read_manifest(datastore)
-    if manifest is None or not manifest.shards:
-        return 49152  # an empty datastore: SmolLM2's, the default model
-    return read_meta(Path(datastore) / manifest.shards[0]).vocab_size
+    return built_for(datastore) or 49152
 
 
 def start_drafter(datastore: str, port: int) -> subprocess.Popen:
@@ -181,8 +179,11 @@ def start_drafter(datastore: str, port: int) -> subprocess.Popen:
     raise SystemExit(f"the drafter service over {datastore} did not start")
 
 
-def newest(pattern: str) -> str | None:
-    found = [p for p in (ROOT / "var").glob(pattern) if (p / "manifest.json").is_file()]
+def newest(pattern: str, vocab_size: int | None = None) -> str | None:
+    """The newest datastore under var/ matching `pattern` (the largest -N first), of
+    `vocab_size` when given."""
+    found = [p for p in (ROOT / "var").glob(pattern) if (p / "manifest.json").is_file()
+             and (vocab_size is None or datastore_vocab_size(str(p)) == vocab_size)]
     if not found:
         return None
     number = lambda p: int(m.group(1)) if (m := re.search(r"-(\d+)$", p.name)) else 0  # noqa: E731
@@ -199,7 +200,7 @@ def skipped_reason(mode: str) -> str | None:
     return None
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, title: str = "SmolLM2-135M fp32") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -224,7 +225,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7)
     axes[0].axhline(1.0, color="grey", lw=0.5)
-    fig.suptitle("SmolLM2-135M fp32, vLLM 0.32 CPU, greedy", fontsize=10)
+    fig.suptitle(f"{title}, vLLM 0.32 CPU, greedy", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -234,9 +235,10 @@ def run_one(args: argparse.Namespace, mode: str, set_name: str, batch_size: int,
     outputs = work / f"out-{set_name}-{batch_size}-{mode}.json"
     done = subprocess.run(
         [sys.executable, __file__, "--worker", "--mode", mode, "--batch-size", str(batch_size),
-         "--model", str(model), "--prompts-file", str(prompts_file), "--outputs", str(outputs),
+         "--model-dir", str(model), "--prompts-file", str(prompts_file), "--outputs", str(outputs),
          "--k", str(args.k), "--max-tokens", str(args.max_tokens), "--budget", str(args.budget),
-         "--min-score", str(args.min_score), "--drafter", drafter or ""],
+         "--min-score", str(args.min_score), "--drafter", drafter or "",
+         "--model-name", args.model_name or "", "--dtype", args.dtype],
         env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise SystemExit(f"{mode} {set_name} b={batch_size} failed:\n{done.stderr[-3000:]}")
@@ -258,12 +260,15 @@ def main() -> None:
                         help="the proposer's min_score (see sssd.vllm.proposer)")
     parser.add_argument("--datastore", default=None, help="ShareGPT datastore (sssd, engine)")
     parser.add_argument("--self-datastore", default=None, help="self-output datastore")
+    parser.add_argument("--model-name", "--model", dest="model_name", default=None,
+                        help="a name of `sssd-models list` (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--out", default=str(ROOT / "bench/results/vllm-peers.jsonl"))
     parser.add_argument("--plot", metavar="JSONL", help="only draw the PNG of a finished run")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", dest="model", help=argparse.SUPPRESS)
     parser.add_argument("--prompts-file", help=argparse.SUPPRESS)
     parser.add_argument("--outputs", help=argparse.SUPPRESS)
     parser.add_argument("--drafter", help=argparse.SUPPRESS)
@@ -284,8 +289,14 @@ def main() -> None:
     from sssd.vllm.export_model import export_model
 
     work = Path(tempfile.mkdtemp(prefix="vllm-peers-"))
-    model = export_model(work / "model")
-    datastores = {"sssd": args.datastore or newest("demo-datastore/*"),
+    gguf = args.model_name
+    if gguf and not Path(gguf).exists():  # a name of `sssd-models list`
+        from sssd.common.model.files import model_path
+
+        gguf = str(model_path(gguf))
+    model = export_model(work / "model", gguf)
+    vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
+    datastores = {"sssd": args.datastore or newest("demo-datastore/*", vocab_size),
                   "sssd-self": args.self_datastore or newest("self-outputs/datastore-*")}
     datastores["engine"] = datastores["sssd"]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
@@ -331,7 +342,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(row) + "\n" for row in rows))
     try:
-        plot(rows, out.with_suffix(".png"))
+        plot(rows, out.with_suffix(".png"), f"{args.model_name or 'SmolLM2-135M'} {args.dtype}")
         print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
     except ImportError:
         print(f"wrote {out}; draw the PNG with: .venv/bin/python bench/vllm_peers.py --plot {out}",

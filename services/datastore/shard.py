@@ -250,3 +250,14 @@ def load_shard(
     if int(starts[-1]) != meta.num_tokens:
         raise ShardError(f"{directory}: the bucket index does not end at num_tokens")
     return LoadedShard(directory.name, meta, stream, suffix_array, starts)
+
+
+def datastore_vocab_size(datastore_dir: str | os.PathLike) -> int | None:
+    """The vocabulary the datastore's shards were built for (a drafter must be started with it:
+    one started for another refuses them), or None for a datastore without shards."""
+    from sssd.datastore.manifest import read_manifest
+
+    manifest = read_manifest(datastore_dir)
+    if manifest is None or not manifest.shards:
+        return None
+    return read_meta(Path(datastore_dir) / manifest.shards[0]).vocab_size

@@ -13,6 +13,7 @@ from sssd.datastore.shard import (
     SEPARATOR,
     ShardError,
     bucket_starts,
+    datastore_vocab_size,
     load_shard,
     make_stream,
     read_meta,
@@ -127,6 +128,12 @@ def test_foreign_tokenizer_or_vocabulary_is_refused(tmp_path):
         load_shard(tmp_path / "s", VOCAB, "another-tokenizer")
     with pytest.raises(ShardError, match="vocab_size"):
         load_shard(tmp_path / "s", VOCAB + 1, FINGERPRINT)
+
+
+def test_a_datastore_says_the_vocabulary_its_shards_were_built_for(tmp_path):
+    assert datastore_vocab_size(tmp_path) is None  # no manifest yet
+    build_datastore(tmp_path, random_documents(8, 10), VOCAB + 7, FINGERPRINT)
+    assert datastore_vocab_size(tmp_path) == VOCAB + 7
 
 
 def test_manifest_replacement_is_atomic_and_versioned(tmp_path):
