@@ -50,10 +50,12 @@ logger = logging.getLogger("draft_quality")
 
 REFERENCE_DIR = Path("var/bench/references")
 
-def references(name: str, limit: int, max_tokens: int, dtype: str, batch_size: int
-               ) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, greedy answer ids) of the set, generated once and cached."""
-    path = REFERENCE_DIR / f"{name}-{limit}-{max_tokens}-{dtype}.jsonl"
+def references(name: str, limit: int, max_tokens: int, dtype: str, batch_size: int,
+               model: str | None = None) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy answer ids) of the set by `model` (None: the default), generated
+    once and cached."""
+    prefix = "" if model is None else f"{Path(model).name}-"
+    path = REFERENCE_DIR / f"{prefix}{name}-{limit}-{max_tokens}-{dtype}.jsonl"
     if path.is_file():
         with open(path) as f:
             rows = [json.loads(line) for line in f]
@@ -65,7 +67,7 @@ def references(name: str, limit: int, max_tokens: int, dtype: str, batch_size: i
     from sssd.verifier.engine import EngineConfig, GenerateRequest
     from sssd.verifier.factory import build_engine
 
-    loaded = load_causal_lm(None, dtype)
+    loaded = load_causal_lm(model, dtype)
     prompts = [prompt_token_ids(loaded.tokenizer, text) for text in prompt_texts(name, limit)]
     engine = build_engine(EngineConfig(mode="ar", dtype=dtype, max_batch_size=batch_size,
                                        max_len=max(map(len, prompts)) + max_tokens + 8), loaded)
