@@ -16,6 +16,11 @@ prompts). This command
 Prompts longer than `--max-prompt-tokens` (chat template included) are skipped and recorded
 with `"skipped": "prompt too long"`, so a resumed run does not retry them.
 
+`--model NAME` (a name of `sssd-models list`) answers with another model than the default, into
+`var/self-outputs/<NAME>` unless `--dir` says otherwise. A directory holds one model's answers:
+`model.json` records its tokenizer's fingerprint at the first `generate`, and `generate` and
+`build` refuse a model with another tokenizer.
+
 On the 2-core CPU machines generation runs at a few hundred tokens per second (batch 32,
 bfloat16), so a few thousand conversations take tens of minutes: run it in the background.
 """
@@ -52,6 +57,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_DIR = "var/self-outputs"
+MODEL_FILE = "model.json"  # {"tokenizer_fingerprint": ...}: whose answers the directory holds
+
+
+def check_model(directory: Path, fingerprint: str, model: str | None) -> None:
+    """Records the tokenizer of the directory's answers, or refuses another one."""
+    path = directory / MODEL_FILE
+    if not path.is_file():
+        directory.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"tokenizer_fingerprint": fingerprint}) + "\n")
+        return
+    held = json.loads(path.read_text()).get("tokenizer_fingerprint")
+    if held != fingerprint:
+        raise SystemExit(f"{directory} holds the answers of a model with another tokenizer "
+                         f"({held}, not {fingerprint} of {model or 'the default model'}): give "
+                         "this model its own --dir")
 
 
 def read_outputs(path: Path) -> Iterator[dict[str, Any]]:
@@ -80,7 +100,7 @@ def _truncate_partial_line(path: Path) -> None:
 def generate(directory: Path, loaded: LoadedModel, start: int, stop: int, max_tokens: int,
              batch_size: int, max_prompt_tokens: int) -> int:
     """Answers ShareGPT records [start, stop) not yet in the file; returns how many it added."""
-    directory.mkdir(parents=True, exist_ok=True)
+    check_model(directory, loaded.fingerprint, loaded.name)
     path = directory / "outputs.jsonl"
     _truncate_partial_line(path)
     done = {record["record"] for record in read_outputs(path)}
@@ -139,7 +159,8 @@ def generate(directory: Path, loaded: LoadedModel, start: int, stop: int, max_to
     return added
 
 
-def build(directory: Path, num_conversations: int, sharegpt_records: int = 0) -> Path:
+def build(directory: Path, num_conversations: int, sharegpt_records: int = 0,
+          model: str | None = None) -> Path:
     """Builds `<dir>/datastore-<N>` from the first N answered conversations of the file.
 
     With `sharegpt_records` = M > 0 the datastore also holds ShareGPT records [0, M) as they
@@ -165,8 +186,9 @@ def build(directory: Path, num_conversations: int, sharegpt_records: int = 0) ->
     if manifest is not None and manifest.shards:
         logger.info("%s already built", target)
         return target
-    tokenizer = load_tokenizer(None)
+    tokenizer = load_tokenizer(model)
     facts = (vocab_size(tokenizer), tokenizer_fingerprint(tokenizer))
+    check_model(directory, facts[1], model)
     num_answer_tokens = sum(len(d) for d in documents)
     if sharegpt_records:
         records = tqdm(iter_sharegpt(0, sharegpt_records), total=sharegpt_records,
@@ -181,8 +203,12 @@ def build(directory: Path, num_conversations: int, sharegpt_records: int = 0) ->
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="sssd-self-outputs", description=__doc__.split("\n")[0])
-    parser.add_argument("--dir", type=Path, default=Path(DEFAULT_DIR),
-                        help=f"where outputs.jsonl and datastores live (default {DEFAULT_DIR})")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help=f"where outputs.jsonl and datastores live (default {DEFAULT_DIR}, "
+                        f"{DEFAULT_DIR}/<model> with --model)")
+    parser.add_argument("--model", default=None,
+                        help="a name of `sssd-models list`, a GGUF file or a model directory "
+                        "(default: SmolLM2-135M-Instruct)")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="answer ShareGPT prompts (resumable)")
     gen.add_argument("--start", type=int, default=0, help="first ShareGPT record (default 0)")
@@ -198,18 +224,22 @@ def main(argv: list[str] | None = None) -> None:
                      help="also index ShareGPT records [0, M) as they are (default 0: no)")
     args = parser.parse_args(argv)
     configure_logging(logging.INFO)
+    if args.dir is None:
+        args.dir = Path(DEFAULT_DIR) if args.model is None else \
+            Path(DEFAULT_DIR) / Path(args.model).name.removesuffix(".gguf")
     if args.command == "generate":
         if not 0 <= args.start < args.stop:
             parser.error("need 0 <= --start < --stop")
 
         try:
-            added = generate(args.dir, load_causal_lm(None, args.dtype), args.start, args.stop,
+            added = generate(args.dir, load_causal_lm(args.model, args.dtype), args.start,
+                             args.stop,
                              args.max_tokens, args.batch_size, args.max_prompt_tokens)
         except KeyboardInterrupt:  # every finished answer is already on disk
             raise SystemExit("\nstopped; run the same command again to resume") from None
         print(json.dumps({"added": added, "file": str(args.dir / "outputs.jsonl")}))
     else:
-        path = build(args.dir, args.conversations, args.with_sharegpt)
+        path = build(args.dir, args.conversations, args.with_sharegpt, args.model)
         print(json.dumps({"datastore": str(path)}))
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from sssd.cli.self_outputs import build, generate, read_outputs
+from sssd.cli.self_outputs import build, check_model, generate, read_outputs
 from sssd.datastore.manifest import read_manifest
 
 
@@ -60,3 +60,19 @@ def test_long_prompts_are_skipped_and_recorded(tmp_path, target_model_fp32):
              max_prompt_tokens=8)
     records = list(read_outputs(tmp_path / "outputs.jsonl"))
     assert [r.get("skipped") for r in records] == ["no user turn or prompt too long"] * 2
+
+
+def test_a_directory_holds_one_models_answers(tmp_path, target_model_fp32):
+    check_model(tmp_path, "fingerprint-a", "model-a")  # the first use records it
+    check_model(tmp_path, "fingerprint-a", "model-a")
+    with pytest.raises(SystemExit, match="another tokenizer.*its own --dir"):
+        check_model(tmp_path, "fingerprint-b", "model-b")
+    # generate refuses before it answers anything, build before it writes a shard
+    with pytest.raises(SystemExit, match="another tokenizer"):
+        generate(tmp_path, target_model_fp32, start=0, stop=1, max_tokens=2, batch_size=1,
+                 max_prompt_tokens=64)
+    (tmp_path / "outputs.jsonl").write_text(
+        json.dumps({"record": 0, "prompt_ids": [1, 2], "output_ids": [3]}) + "\n")
+    with pytest.raises(SystemExit, match="another tokenizer"):
+        build(tmp_path, 1)
+    assert not list(tmp_path.glob("datastore-*"))
