@@ -2,10 +2,12 @@
 
     1. an explicit directory (it must hold a manifest listing shards, built with the model's
        tokenizer);
-    2. else the largest `var/self-outputs/datastore-N` (the model's own answers, made with
-       `sssd-self-outputs`) built with the model's tokenizer, if it holds at least
-       MIN_SELF_OUTPUT_CONVERSATIONS conversations: a few dozen answers draft worse than
-       ShareGPT's 12,000 conversations;
+    2. else the largest `datastore-N` or `datastore-N+sharegptM` (the model's own answers, with
+       ShareGPT beside them, made with `sssd-self-outputs`) in `var/self-outputs` or a
+       directory of it (`var/self-outputs/<model>`, `sssd-self-outputs --model`) built with the
+       model's tokenizer, if it holds at least MIN_SELF_OUTPUT_CONVERSATIONS conversations: a
+       few dozen answers draft worse than ShareGPT's 12,000 conversations. Of two with as many
+       answers, the one with ShareGPT beside them;
     3. else ShareGPT records [0, N) tokenized with the model's chat template into
        `$SSSD_DATA_DIR` (default var/demo-datastore), built once (about a minute).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -77,19 +80,26 @@ def ensure_sharegpt_datastore(root: Path, tokenizer, num_records: int) -> Path:
     return directory
 
 
+SELF_OUTPUT_NAME = re.compile(r"datastore-(\d+)(\+sharegpt\d+)?")
+
+
 def largest_self_output_datastore(fingerprint: str) -> Path | None:
-    """The largest `datastore-N` of SELF_OUTPUTS_DIR built with the tokenizer of `fingerprint`,
-    if N >= MIN_SELF_OUTPUT_CONVERSATIONS."""
-    built = {int(p.name.split("-")[1]): p for p in SELF_OUTPUTS_DIR.glob("datastore-*")
-             if p.name.split("-")[1].isdigit() and datastore_fingerprint(p) == fingerprint}
+    """The largest `datastore-N[+sharegptM]` in SELF_OUTPUTS_DIR or a directory of it built
+    with the tokenizer of `fingerprint`, if N >= MIN_SELF_OUTPUT_CONVERSATIONS; of two with the
+    same N, the one with ShareGPT."""
+    built = []  # ((answers, with ShareGPT), path)
+    for path in [*SELF_OUTPUTS_DIR.glob("datastore-*"), *SELF_OUTPUTS_DIR.glob("*/datastore-*")]:
+        name = SELF_OUTPUT_NAME.fullmatch(path.name)
+        if name is not None and datastore_fingerprint(path) == fingerprint:
+            built.append(((int(name.group(1)), name.group(2) is not None), path))
     if not built:
         return None
-    conversations = max(built)
+    (conversations, _), path = max(built, key=lambda entry: entry[0])
     if conversations < MIN_SELF_OUTPUT_CONVERSATIONS:
         logger.info("not serving %s: fewer than %d conversations (pass --datastore to use it)",
-                    built[conversations], MIN_SELF_OUTPUT_CONVERSATIONS)
+                    path, MIN_SELF_OUTPUT_CONVERSATIONS)
         return None
-    return built[conversations]
+    return path
 
 
 def pick_datastore(explicit: Path | None, tokenizer,

@@ -38,6 +38,17 @@ def test_a_large_self_output_datastore_is_preferred(self_outputs):
     assert datastores.pick_datastore(None, tokenizer=None) == self_outputs / "datastore-3000"
 
 
+def test_a_models_own_directory_and_sharegpt_beside_the_answers_count(self_outputs):
+    make(self_outputs / "datastore-1200")
+    make(self_outputs / "datastore-1500", fingerprint="e" * 64)  # another model's
+    make(self_outputs / "qwen" / "datastore-1400")
+    assert datastores.pick_datastore(None, tokenizer=None) == \
+        self_outputs / "qwen" / "datastore-1400"
+    make(self_outputs / "qwen" / "datastore-1400+sharegpt12000")
+    assert datastores.pick_datastore(None, tokenizer=None) == \
+        self_outputs / "qwen" / "datastore-1400+sharegpt12000"
+
+
 def test_a_small_self_output_datastore_gives_way_to_sharegpt(self_outputs, monkeypatch, caplog):
     make(self_outputs / "datastore-56")
     built = []
