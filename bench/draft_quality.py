@@ -264,6 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=8,
                         help="engine batch for generating the answers (8)")
     parser.add_argument("--budgets", default="4,8,16,32")
+    parser.add_argument("--model", default=None,
+                        help="whose greedy answers: a name of `sssd-models list` (default: "
+                        "SmolLM2-135M-Instruct); datastores must be built with its tokenizer")
     parser.add_argument("--datastore", action="append", type=Path, default=[],
                         help="datastore(s) to score with (repeatable; default: the ShareGPT "
                         "datastore the main job builds)")
@@ -286,11 +289,11 @@ def main(argv: list[str] | None = None) -> None:
     from sssd.drafter.config import DrafterConfig, DraftParams
     from sssd.drafter.drafter import LocalDrafter
 
-    tokenizer = load_tokenizer(None)
+    tokenizer = load_tokenizer(args.model)
     datastores = args.datastore or [pick_datastore(None, tokenizer)]
     configs = [parse_config(c) for c in args.config] or [("default", {})]
-    sets = {name: references(name, args.prompts, args.max_tokens, args.dtype, args.batch_size)
-            for name in args.sets.split(",")}
+    sets = {name: references(name, args.prompts, args.max_tokens, args.dtype, args.batch_size,
+                             args.model) for name in args.sets.split(",")}
     reference = None
     if args.reference_build is not None:
         sys.path.insert(0, str(args.reference_build.resolve()))
