@@ -6,6 +6,8 @@ the ShareGPT datastore, which holds records 0-11,999). MT-Bench and the code set
 used here; score the result on them afterwards with draft_quality.py.
 
     python bench/tune_drafter.py --prompts 200 --budgets 4,8,16,32
+    python bench/tune_drafter.py --model qwen-coder-1.5b --prompts 80 --budgets 8,16 --passes 1 \
+        --datastore var/demo-datastore/sharegpt-12000-<fingerprint>
 
 Prints one JSON object per evaluated configuration, then {"best": ...}.
 """
@@ -44,6 +46,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budgets", default="4,8,16,32")
     parser.add_argument("--passes", type=int, default=2, help="sweeps over every constant")
     parser.add_argument("--datastore", type=Path, default=None)
+    parser.add_argument("--model", default=None,
+                        help="whose greedy answers: a name of `sssd-models list` (default: "
+                        "SmolLM2-135M-Instruct); the datastore must be built with its tokenizer")
     args = parser.parse_args(argv)
     configure_logging(logging.WARNING)
 
@@ -52,9 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     from sssd.drafter.config import DrafterConfig, DraftParams
     from sssd.drafter.drafter import LocalDrafter
 
-    tokenizer = load_tokenizer(None)
+    tokenizer = load_tokenizer(args.model)
     datastore = args.datastore or pick_datastore(None, tokenizer)
-    pairs = references("sharegpt-tune", args.prompts, args.max_tokens, "bfloat16", 8)
+    pairs = references("sharegpt-tune", args.prompts, args.max_tokens, "bfloat16", 8, args.model)
     budgets = [int(b) for b in args.budgets.split(",")]
     scores: dict[tuple, float] = {}
 
