@@ -267,7 +267,8 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    main_rows = [r for r in rows if not r.get("sweep") and "speedup" in r]
+    # every speedup is over an ar run: the ar rows themselves are all 1.0
+    main_rows = [r for r in rows if not r.get("sweep") and "speedup" in r and r["config"] != "ar"]
     sweep = [r for r in rows if r.get("sweep")]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     labels = [f"{r['config']}\n{r['set']} b{r['batch']} T{r['temperature']:g}" for r in main_rows]
