@@ -117,17 +117,17 @@ def main() -> None:
     args = parser.parse_args()
 
     from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint
-    from sssd.datastore.shard import datastore_vocab_size
+    from sssd.datastore.shard import datastore_meta
     from sssd.drafter.config import DrafterConfig
     from sssd.drafter.drafter import LocalDrafter
 
     tokenizer = load_tokenizer(args.model)
     pairs = {name: references(name, args.prompts, args.max_tokens, "bfloat16", 8, args.model)
              for name in args.sets.split(",")}
-    vocab_size = datastore_vocab_size(args.datastore)
-    if vocab_size is None:
+    meta = datastore_meta(args.datastore)
+    if meta is None:
         raise SystemExit(f"{args.datastore}: no datastore with shards")
-    config = DrafterConfig(datastore_dir=str(args.datastore), vocab_size=vocab_size,
+    config = DrafterConfig(datastore_dir=str(args.datastore), vocab_size=meta.vocab_size,
                            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
     with LocalDrafter(config) as drafter:
         for name, set_pairs in pairs.items():

@@ -14,8 +14,8 @@ Configurations (each on the same prompts, one after another):
   ssd_geometric   SSD, geometric fan-out (Theorem 12, a and r estimated online)
   prompt_lookup   n-gram drafts from the sequence itself (the SSSD core without a datastore)
   sssd            SSSD draft trees of --sssd-budget nodes from the in-process drafter over
-                  --datastore (default: the newest var/demo-datastore/* built with the target's
-                  vocabulary, which `sssd up --model qwen-coder-1.5b` makes)
+                  --datastore (default: the one `sssd up --model qwen-coder-1.5b` serves,
+                  sssd.cli.datastores.pick_datastore)
 With a speculator (sd, ssd_*) the verifier runs in this process and the speculator in its own
 (`sssd-speculator`), each with one torch thread, so the speculation runs on the other core while
 the target verifies; the other configurations have every core (`torch.get_num_threads()` at
@@ -150,8 +150,8 @@ def main() -> None:
     parser.add_argument("--sweep-fanout", default="",
                         help="also run ssd_geometric on the first set at b=1 greedy with these B")
     parser.add_argument("--datastore", type=Path, default=None,
-                        help="of the sssd configuration (default: the newest "
-                        "var/demo-datastore/* built with the target's vocabulary)")
+                        help="of the sssd configuration (default: the one `sssd up` serves "
+                        "for the target's tokenizer)")
     parser.add_argument("--sssd-budget", type=int, default=16,
                         help="draft-tree nodes of the sssd configuration (16)")
     parser.add_argument("--png", default="bench/results/ssd.png")
@@ -169,9 +169,11 @@ def main() -> None:
                              "qwen-coder-pair` first")
     all_threads = torch.get_num_threads()
     loaded = load_causal_lm(args.target, args.dtype, args.device)
-    datastore = args.datastore
-    if "sssd" in args.configs.split(",") and datastore is None:
-        datastore = newest_datastore(loaded.vocab_size)
+    datastore = None
+    if "sssd" in args.configs.split(","):  # a named one is checked against the tokenizer
+        from sssd.cli.datastores import pick_datastore
+
+        datastore = pick_datastore(args.datastore, loaded.tokenizer)
     sets = args.sets.split(",")
     prompts = {s: chat_prompts(loaded.tokenizer, prompt_texts(s, args.prompts)) for s in sets}
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -246,19 +248,6 @@ def main() -> None:
                 process.wait(30)
     if args.png:
         plot(rows, args.png)
-
-
-def newest_datastore(vocab_size: int) -> Path:
-    """The newest var/demo-datastore/* whose shards were built for `vocab_size`."""
-    from sssd.datastore.shard import datastore_vocab_size
-
-    found = [path for path in Path("var/demo-datastore").glob("*")
-             if datastore_vocab_size(path) == vocab_size]
-    if not found:
-        raise SystemExit(f"no datastore of vocabulary {vocab_size} under var/demo-datastore: "
-                         "run `sssd up --model qwen-coder-1.5b --once` first, or pass "
-                         "--datastore")
-    return max(found, key=lambda p: p.stat().st_mtime)
 
 
 def plot(rows: list[dict], path: str) -> None:

@@ -151,9 +151,10 @@ def datastore_vocab_size(datastore: str) -> int:
     """The vocabulary the datastore's shards were built for, which the drafter must serve (before
     2026-11-27 this started every drafter for SmolLM2's 49,152, so the Qwen2.5 rows of vLLM with
     our drafter ran without drafts); an empty datastore: SmolLM2's, the default model's."""
-    from sssd.datastore.shard import datastore_vocab_size as built_for
+    from sssd.datastore.shard import datastore_meta
 
-    return built_for(datastore) or 49152
+    meta = datastore_meta(datastore)
+    return 49152 if meta is None else meta.vocab_size
 
 
 def start_drafter(datastore: str, port: int) -> subprocess.Popen:

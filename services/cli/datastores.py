@@ -28,7 +28,7 @@ from sssd.common.data.corpus import iter_conversation_token_ids, iter_sharegpt
 from sssd.common.model.tokenizer import tokenizer_fingerprint, vocab_size
 from sssd.datastore.build import build_datastore
 from sssd.datastore.manifest import read_manifest
-from sssd.datastore.shard import read_meta
+from sssd.datastore.shard import datastore_meta
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +55,8 @@ def has_shards(directory: Path) -> bool:
 
 def datastore_fingerprint(directory: Path) -> str | None:
     """The tokenizer fingerprint a datastore's shards were built with (None: no shards)."""
-    manifest = read_manifest(directory) if directory.is_dir() else None
-    if manifest is None or not manifest.shards:
-        return None
-    return read_meta(directory / manifest.shards[0]).tokenizer_fingerprint
+    meta = datastore_meta(directory)
+    return None if meta is None else meta.tokenizer_fingerprint
 
 
 def ensure_sharegpt_datastore(root: Path, tokenizer, num_records: int) -> Path:

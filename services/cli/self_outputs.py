@@ -233,8 +233,7 @@ def main(argv: list[str] | None = None) -> None:
 
         try:
             added = generate(args.dir, load_causal_lm(args.model, args.dtype), args.start,
-                             args.stop,
-                             args.max_tokens, args.batch_size, args.max_prompt_tokens)
+                             args.stop, args.max_tokens, args.batch_size, args.max_prompt_tokens)
         except KeyboardInterrupt:  # every finished answer is already on disk
             raise SystemExit("\nstopped; run the same command again to resume") from None
         print(json.dumps({"added": added, "file": str(args.dir / "outputs.jsonl")}))

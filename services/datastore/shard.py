@@ -252,12 +252,14 @@ def load_shard(
     return LoadedShard(directory.name, meta, stream, suffix_array, starts)
 
 
-def datastore_vocab_size(datastore_dir: str | os.PathLike) -> int | None:
-    """The vocabulary the datastore's shards were built for (a drafter must be started with it:
-    one started for another refuses them), or None for a datastore without shards."""
+def datastore_meta(datastore_dir: str | os.PathLike) -> ShardMeta | None:
+    """What the datastore's shards were built with (its first shard's meta: the tokenizer
+    fingerprint and the vocabulary, which a drafter must be started with; one started for
+    another refuses them), or None for a directory without a datastore of shards."""
     from sssd.datastore.manifest import read_manifest
 
-    manifest = read_manifest(datastore_dir)
+    directory = Path(datastore_dir)
+    manifest = read_manifest(directory) if directory.is_dir() else None
     if manifest is None or not manifest.shards:
         return None
-    return read_meta(Path(datastore_dir) / manifest.shards[0]).vocab_size
+    return read_meta(directory / manifest.shards[0])

@@ -13,7 +13,7 @@ from sssd.datastore.shard import (
     SEPARATOR,
     ShardError,
     bucket_starts,
-    datastore_vocab_size,
+    datastore_meta,
     load_shard,
     make_stream,
     read_meta,
@@ -131,9 +131,11 @@ def test_foreign_tokenizer_or_vocabulary_is_refused(tmp_path):
 
 
 def test_a_datastore_says_the_vocabulary_its_shards_were_built_for(tmp_path):
-    assert datastore_vocab_size(tmp_path) is None  # no manifest yet
+    assert datastore_meta(tmp_path) is None  # no manifest yet
+    assert datastore_meta(tmp_path / "missing") is None
     build_datastore(tmp_path, random_documents(8, 10), VOCAB + 7, FINGERPRINT)
-    assert datastore_vocab_size(tmp_path) == VOCAB + 7
+    meta = datastore_meta(tmp_path)
+    assert (meta.vocab_size, meta.tokenizer_fingerprint) == (VOCAB + 7, FINGERPRINT)
 
 
 def test_manifest_replacement_is_atomic_and_versioned(tmp_path):
