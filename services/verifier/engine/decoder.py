@@ -19,7 +19,9 @@ bandwidth. Here each layer is a handful of tensor operations on weights prepared
 - rotary cosines and sines tabulated once for every cache position, by the model's own rotary
   module, so the positions are those of transformers (and every rope scaling it implements);
 - attention over the slot KV cache, each node seeing the cached prefix, its ancestors and itself
-  (the tree as a 64-bit mask per node: no mask tensor is built for a step);
+  (the tree as a 64-bit mask per node: no mask tensor is built for a step); a prompt's causal
+  attention by a kernel of its own (sssd._kernels.prompt_attention), tiled for the many
+  queries that share its keys;
 - logits only for the rows asked for;
 - on CPUs, what runs between the matrix products in one call each (sssd._kernels: RMSNorm with
   the residual add, rotary embedding with the cache write, attention, SiLU and product), where
@@ -227,7 +229,9 @@ def prompt_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     tokens of SmolLM2 against 45 ms for grouped_attention's two products, whose float32 scores
     (and the mask they add) grow with the square of the prompt. Each query row's result
     depends on the prompt alone, so a prompt prefilled beside other rows gets the logits it
-    gets alone."""
+    gets alone. On CPUs with AVX-512 the fused forward takes sssd._kernels.prompt_attention
+    instead (3.2 ms a layer there, tiles of queries against transposed keys); this is where
+    that does not apply, and the PyTorch forward's."""
     return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale,
                                           enable_gqa=keys.shape[1] != q.shape[1])
 
@@ -585,7 +589,12 @@ class Decoder:
                         batch.cache_lens.data_ptr(), batch.tree_bits.data_ptr(), attended_ptr,
                         first_slot, num_seqs, num_nodes, num_heads, num_kv_heads, head_dim,
                         capacity, self.scale, code)
-                else:  # beyond MAX_TREE_BITS_NODES: a prompt, mostly
+                elif not (batch.is_prompt and _kernels.prompt_attention(
+                        queries_ptr, keys.data_ptr(), values.data_ptr(), attended_ptr,
+                        first_slot, num_nodes, num_heads, num_kv_heads, head_dim, capacity,
+                        self.scale, code)):
+                    # beyond MAX_TREE_BITS_NODES: a prompt, mostly, where the CPU's own kernel
+                    # does not apply (no AVX-512, another head size)
                     rows = slice(first_slot, first_slot + num_seqs)
                     tokens = slice(first_row, first_row + num_seqs * num_nodes)
                     q = queries[tokens].view(num_seqs, num_nodes, num_heads, head_dim) \

@@ -1,6 +1,6 @@
 """sssd._kernels, the verifier's fused CPU operations, against float64 references computed here
-with PyTorch: attention on both of its paths (AVX-512 and portable), the row operations, the
-rotary cache write, and the argument checks."""
+with PyTorch: attention on both of its paths (AVX-512 and portable), a prompt's causal
+attention, the row operations, the rotary cache write, and the argument checks."""
 
 import numpy as np
 import pytest
@@ -141,6 +141,77 @@ def test_attention_refuses_what_it_cannot_compute():
         _kernels.attention(*args, 1, 40, 2, 1, 64, 128, 0.125, 0)
     with pytest.raises(ValueError, match="dtype code"):
         _kernels.rms_norm(q.data_ptr(), q.data_ptr(), q.data_ptr(), 1, 64, 1e-5, 2)
+
+
+def run_prompt_attention(q, key_cache, value_cache, slot, scale):
+    """q [length, heads, head_dim] over the keys at positions [0, length) of `slot`; None where
+    the kernel does not apply."""
+    length, heads, head_dim = q.shape
+    out = torch.full((length, heads * head_dim), float("nan"), dtype=q.dtype)
+    done = _kernels.prompt_attention(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                                     out.data_ptr(), slot, length, heads, key_cache.shape[1],
+                                     head_dim, key_cache.shape[2], scale, CODES[q.dtype])
+    return out.view(length, heads, head_dim) if done else None
+
+
+def causal_reference(q, key_cache, value_cache, slot, scale):
+    """float64 causal attention of q [length, heads, head_dim] over the slot's first keys."""
+    length, heads, _ = q.shape
+    group = heads // key_cache.shape[1]
+    keys = key_cache[slot, :, :length].double().repeat_interleave(group, 0)  # [heads, n, d]
+    values = value_cache[slot, :, :length].double().repeat_interleave(group, 0)
+    scores = torch.einsum("jhd,hpd->hjp", q.double(), keys) * scale
+    hidden = torch.ones(length, length, dtype=torch.bool).triu(1)
+    weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    return torch.einsum("hjp,hpd->jhd", weights, values)
+
+
+@pytest.mark.skipif(not _kernels.has_avx512(), reason="prompt_attention needs AVX-512")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (12, 2, 128), (4, 4, 64)],
+                         ids=["smollm2", "qwen2.5-1.5b", "no-groups"])
+@pytest.mark.parametrize("length", [1, 17, 65, 300])
+def test_prompt_attention_matches_the_float64_reference(dtype, shape, length):
+    heads, kv_heads, head_dim = shape
+    generator = torch.Generator().manual_seed(length)
+    keys = torch.randn(3, kv_heads, 320, head_dim, generator=generator).to(dtype)
+    values = torch.randn(3, kv_heads, 320, head_dim, generator=generator).to(dtype)
+    q = torch.randn(length, heads, head_dim, generator=generator).to(dtype)
+    out = run_prompt_attention(q, keys, values, 2, head_dim ** -0.5)
+    expected = causal_reference(q, keys, values, 2, head_dim ** -0.5)
+    assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype]
+
+
+@pytest.mark.skipif(not _kernels.has_avx512(), reason="prompt_attention needs AVX-512")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_prompt_positions_result_depends_on_its_keys_alone(dtype):
+    """Position j gives the same bits in a prompt of any length past j, wherever the work's
+    blocks of positions fall: a prompt's KV cache does not depend on how long it is."""
+    generator = torch.Generator().manual_seed(3)
+    keys = torch.randn(1, 3, 400, 64, generator=generator).to(dtype)
+    values = torch.randn(1, 3, 400, 64, generator=generator).to(dtype)
+    q = torch.randn(400, 9, 64, generator=generator).to(dtype)
+    full = run_prompt_attention(q, keys, values, 0, 0.125)
+    for length in (1, 31, 32, 33, 130, 399):
+        part = run_prompt_attention(q[:length].contiguous(), keys, values, 0, 0.125)
+        assert torch.equal(part, full[:length])
+
+
+def test_prompt_attention_declines_or_refuses_what_it_cannot_compute():
+    q = torch.zeros(8, 2, 32)
+    keys = torch.zeros(1, 1, 16, 32)
+    out = torch.zeros(8, 64)
+    args = (q.data_ptr(), keys.data_ptr(), keys.data_ptr(), out.data_ptr(), 0)
+    assert _kernels.prompt_attention(*args, 8, 2, 1, 32, 16, 0.125, 0) is False  # head_dim 32
+    previous = _kernels.set_portable(True)
+    try:
+        assert _kernels.prompt_attention(*args, 8, 2, 1, 64, 16, 0.125, 0) is False
+    finally:
+        _kernels.set_portable(previous)
+    with pytest.raises(ValueError, match="1 to capacity"):
+        _kernels.prompt_attention(*args, 17, 2, 1, 32, 16, 0.125, 0)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        _kernels.prompt_attention(*args, 8, 3, 2, 32, 16, 0.125, 0)
 
 
 def transformers_rms_norm(x, weight, eps):

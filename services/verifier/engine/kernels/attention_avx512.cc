@@ -211,6 +211,168 @@ void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
   }
 }
 
+// --- prompts -----------------------------------------------------------------------------------
+//
+// Causal attention of a whole prompt (prompt_attention). A work item is a block of query
+// positions of one key head, its group's query heads beside each other: about kPromptRows query
+// rows that share every key. Its scores are tiles of kScoreRows queries against 32 keys, each
+// key block transposed once per call into [head_dim][16] float32, so a tile multiplies one
+// query element, broadcast, by the same element of sixteen keys: no reduction across lanes, and
+// each key element loaded once per tile of queries. Then the causal mask, the softmax and the
+// values as for a tree (the same exp16 and weigh_values); the keys a query does not see weigh
+// exactly 0. Items run on the OpenMP threads, the longest (last positions) first.
+
+constexpr int64_t kPromptRows = 96;
+constexpr int64_t kScoreRows = 8;
+
+// Positions [first, first + 16) of one key head's keys [length, HD] as float32 [HD][16]; a
+// position at or past `length` as zeros.
+template <typename T, int64_t HD>
+void transpose_keys(const T* keys, int64_t first, int64_t length, float* out) {
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                            5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16));
+  for (int64_t k = 0; k < 16; ++k) {
+    const int64_t position = first + k;
+    for (int64_t c = 0; c < HD; c += 16) {
+      const __m512 element = position < length ? load16<T>(keys + position * HD + c)
+                                               : _mm512_setzero_ps();
+      _mm512_i32scatter_ps(out + c * 16 + k, lanes, element, 4);
+    }
+  }
+}
+
+// scores[r][16 b + lane] = scale * <query r, key lane of block b> for R queries [R][HD] and KB
+// transposed key blocks (consecutive, [HD][16] each).
+template <int64_t HD, int64_t R, int64_t KB>
+inline void score_tile(const float* queries, const float* blocks, float* scores, int64_t stride,
+                       __m512 scale) {
+  __m512 acc[R][KB];
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t b = 0; b < KB; ++b) acc[r][b] = _mm512_setzero_ps();
+  }
+  for (int64_t c = 0; c < HD; ++c) {
+    __m512 key[KB];
+    for (int64_t b = 0; b < KB; ++b) key[b] = _mm512_loadu_ps(blocks + b * HD * 16 + c * 16);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 query = _mm512_set1_ps(queries[r * HD + c]);
+      for (int64_t b = 0; b < KB; ++b) acc[r][b] = _mm512_fmadd_ps(query, key[b], acc[r][b]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t b = 0; b < KB; ++b) {
+      _mm512_storeu_ps(scores + r * stride + b * 16, _mm512_mul_ps(acc[r][b], scale));
+    }
+  }
+}
+
+template <int64_t HD, int64_t R>
+inline void score_rows(const float* queries, const float* blocks, int64_t num_blocks,
+                       float* scores, int64_t stride, __m512 scale) {
+  int64_t b = 0;
+  for (; b + 2 <= num_blocks; b += 2) {
+    score_tile<HD, R, 2>(queries, blocks + b * HD * 16, scores + b * 16, stride, scale);
+  }
+  if (b < num_blocks) {
+    score_tile<HD, R, 1>(queries, blocks + b * HD * 16, scores + b * 16, stride, scale);
+  }
+}
+
+// Query positions [first, first + count) of key head g; `blocks`: its keys, transposed.
+template <typename T, int64_t HD>
+void attend_prompt_block(const PromptProblem& problem, int64_t g, int64_t first,
+                         int64_t num_positions, const float* blocks) {
+  constexpr int64_t kChunks = HD / 16;
+  constexpr int64_t kTile = HD == 64 ? 4 : 2;
+  thread_local Scratch scratch;
+  const int64_t group = problem.group(), heads = problem.heads;
+  const int64_t count = group * num_positions;  // query rows, position-major: i = j * group + k
+  const int64_t end = first + num_positions;  // keys [0, end) serve every row of the block
+  const int64_t stride = (end + 15) / 16 * 16;
+  scratch.queries.resize(count * HD);
+  scratch.scores.resize(count * stride);
+  float* queries = scratch.queries.data();
+  float* scores = scratch.scores.data();
+  const T* q = static_cast<const T*>(problem.q);
+  for (int64_t j = 0; j < num_positions; ++j) {
+    const T* source = q + ((first + j) * heads + g * group) * HD;  // the group's heads, together
+    for (int64_t e = 0; e < group * HD; e += 16) {
+      _mm512_storeu_ps(queries + j * group * HD + e, load16<T>(source + e));
+    }
+  }
+  const __m512 scale = _mm512_set1_ps(problem.scale);
+  const int64_t num_blocks = stride / 16;
+  int64_t i = 0;
+  for (; i + kScoreRows <= count; i += kScoreRows) {
+    score_rows<HD, kScoreRows>(queries + i * HD, blocks, num_blocks, scores + i * stride, stride,
+                               scale);
+  }
+  for (; i < count; ++i) {
+    score_rows<HD, 1>(queries + i * HD, blocks, num_blocks, scores + i * stride, stride, scale);
+  }
+  for (i = 0; i < count; ++i) {  // causal mask, maximum, exp
+    float* row = scores + i * stride;
+    const int64_t seen = first + i / group + 1;
+    for (int64_t p = seen; p < stride; ++p) row[p] = -INFINITY;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t p = 0; p < stride; p += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + p));
+    const __m512 maximum = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    for (int64_t p = 0; p < stride; p += 16) {
+      _mm512_storeu_ps(row + p, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + p), maximum)));
+    }
+  }
+  const T* values = static_cast<const T*>(problem.value_cache) + problem.cache_offset(g);
+  float result[kTile * HD];
+  const auto write = [&](int64_t row, int64_t tile) {
+    for (int64_t t = 0; t < tile; ++t) {
+      const int64_t query = row + t, j = query / group, k = query % group;
+      store_row(result + t * HD, HD, problem.dtype, problem.out,
+                ((first + j) * heads + g * group + k) * HD);
+    }
+  };
+  for (i = 0; i + kTile <= count; i += kTile) {
+    weigh_values<T, HD, kTile>(scores + i * stride, stride, values, end, result);
+    write(i, kTile);
+  }
+  for (; i < count; ++i) {
+    weigh_values<T, HD, 1>(scores + i * stride, stride, values, end, result);
+    write(i, 1);
+  }
+  static_assert(kChunks >= 1);
+}
+
+template <typename T, int64_t HD>
+void attend_prompt(const PromptProblem& problem) {
+  const int64_t length = problem.length, kv_heads = problem.kv_heads;
+  const int64_t positions = std::max<int64_t>(1, kPromptRows / problem.group());
+  const int64_t num_key_blocks = (length + 15) / 16;
+  const int64_t num_query_blocks = (length + positions - 1) / positions;
+  // The calling thread's buffer, shared with the team by this pointer (a thread_local named
+  // inside the parallel region would be each thread's own).
+  thread_local std::vector<float> transposed;
+  transposed.resize(kv_heads * num_key_blocks * HD * 16);
+  float* const blocks = transposed.data();
+  const T* keys = static_cast<const T*>(problem.key_cache);
+  const int64_t key_items = kv_heads * num_key_blocks;
+  const int64_t query_items = kv_heads * num_query_blocks;
+#pragma omp parallel if (query_items > 1)
+  {
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < key_items; ++item) {
+      const int64_t g = item / num_key_blocks, b = item % num_key_blocks;
+      transpose_keys<T, HD>(keys + problem.cache_offset(g), 16 * b, length,
+                            blocks + item * HD * 16);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < query_items; ++item) {
+      const int64_t g = item % kv_heads, block = num_query_blocks - 1 - item / kv_heads;
+      const int64_t first = block * positions;
+      attend_prompt_block<T, HD>(problem, g, first, std::min(positions, length - first),
+                                 blocks + g * num_key_blocks * HD * 16);
+    }
+  }
+}
+
 }  // namespace
 
 bool attend_avx512(const AttentionProblem& problem, int64_t s, int64_t g) {
@@ -221,6 +383,20 @@ bool attend_avx512(const AttentionProblem& problem, int64_t s, int64_t g) {
       return true;
     case 128:
       is_float ? attend<float, 128>(problem, s, g) : attend<uint16_t, 128>(problem, s, g);
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool prompt_attention_avx512(const PromptProblem& problem) {
+  const bool is_float = problem.dtype == Dtype::kFloat32;
+  switch (problem.head_dim) {
+    case 64:
+      is_float ? attend_prompt<float, 64>(problem) : attend_prompt<uint16_t, 64>(problem);
+      return true;
+    case 128:
+      is_float ? attend_prompt<float, 128>(problem) : attend_prompt<uint16_t, 128>(problem);
       return true;
     default:
       return false;

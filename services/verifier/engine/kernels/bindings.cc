@@ -85,6 +85,14 @@ NB_MODULE(_kernels, m) {
                       static_cast<const int64_t*>(ptr(cache_lens)), first_slot, num_seqs,
                       num_nodes, heads, kv_heads, head_dim, capacity, dtype_of(dtype));
   }, nb::call_guard<nb::gil_scoped_release>());
+  m.def("prompt_attention", [](uintptr_t q, uintptr_t key_cache, uintptr_t value_cache,
+                               uintptr_t out, int64_t slot, int64_t length, int64_t heads,
+                               int64_t kv_heads, int64_t head_dim, int64_t capacity, float scale,
+                               int32_t dtype) {
+    return k::prompt_attention(ptr(q), ptr(key_cache), ptr(value_cache), ptr(out), slot, length,
+                               heads, kv_heads, head_dim, capacity, scale, dtype_of(dtype));
+  }, nb::call_guard<nb::gil_scoped_release>(),
+        "Causal attention of a prompt over its own keys; False where it does not apply.");
   m.def("attention", [](uintptr_t q, uintptr_t key_cache, uintptr_t value_cache,
                         uintptr_t cache_lens, uintptr_t tree_bits, uintptr_t out,
                         int64_t first_slot, int64_t num_seqs, int64_t num_nodes, int64_t heads,

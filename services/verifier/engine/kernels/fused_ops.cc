@@ -347,4 +347,19 @@ void attention(const void* q, const void* key_cache, const void* value_cache,
   }
 }
 
+bool prompt_attention(const void* q, const void* key_cache, const void* value_cache, void* out,
+                      int64_t slot, int64_t length, int64_t heads, int64_t kv_heads,
+                      int64_t head_dim, int64_t capacity, float scale, Dtype dtype) {
+  if (length < 1 || length > capacity || slot < 0) {
+    throw std::invalid_argument("prompt_attention: 1 to capacity positions, a slot >= 0");
+  }
+  if (kv_heads < 1 || heads % kv_heads != 0) {
+    throw std::invalid_argument("prompt_attention: heads must be a multiple of kv_heads");
+  }
+  if (portable.load() || !has_avx512()) return false;
+  const detail::PromptProblem problem{q,        key_cache, value_cache, out,   slot, length,
+                                      heads,    kv_heads,  head_dim,    capacity, scale, dtype};
+  return detail::prompt_attention_avx512(problem);
+}
+
 }  // namespace sssd::kernels
