@@ -148,8 +148,9 @@ def test_a_step_that_does_not_fit_is_refused(target_model_fp32):
 
 def test_a_prompt_attends_causally_over_its_own_keys_without_the_square_of_scores():
     """A prompt past the tree kernel's 64 nodes, where sssd._kernels.prompt_attention does not
-    apply, takes PyTorch's flash kernel (is_causal), which never holds its n x n scores; it equals the masked two-product attention it replaced, and
-    only a single chain written from position 0 takes it."""
+    apply, takes PyTorch's flash kernel (is_causal), which never holds its n x n scores; it
+    equals the masked two-product attention it replaced, and only a single chain written from
+    position 0 takes it."""
     from sssd.verifier.engine.decoder import grouped_attention, prompt_attention
     from sssd.verifier.engine.tree_batch import build_tree_batch, chain_tree
 
