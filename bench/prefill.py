@@ -16,7 +16,9 @@ A measurement is one request of `length` random token ids (new ones each time, t
 every system: no prefix cache can answer them) to its first token, the median of --repeats,
 after a warm-up prompt of every length. Where a system's rounds differ, the median of rounds.
 
-One JSON line per (model, length, system), with the speed against vLLM where it ran.
+One JSON line per (model, length, system), with the speed against vLLM where it ran and, for
+the engine, how many layer calls its own prompt kernel answered (0 for engine-flash; 0 for both
+on a CPU without AVX-512, where the two are the same).
 """
 
 from __future__ import annotations
@@ -49,30 +51,37 @@ def prompts(lengths: list[int], repeats: int, vocab: int = 30_000) -> dict[int, 
 
 def engine_worker(args: argparse.Namespace, cases: dict[int, list[list[int]]]):
     from sssd.common.model.loader import load_causal_lm
-    from sssd.verifier.engine import EngineConfig
+    from sssd.verifier.engine import EngineConfig, decoder
     from sssd.verifier.factory import build_engine
 
-    if args.system == "engine-flash":  # the prompts' attention by PyTorch, as before
-        from sssd.verifier.engine import decoder
-        decoder._kernels = _WithoutPromptAttention(decoder._kernels)
+    # engine-flash: the prompts' attention by PyTorch, as before the engine's own kernel
+    kernels = _PromptAttentionCount(decoder._kernels, declines=args.system == "engine-flash")
+    decoder._kernels = kernels
     loaded = load_causal_lm(args.model_file, args.dtype)
     engine = build_engine(EngineConfig(mode="ar", dtype=args.dtype, max_batch_size=1,
                                        max_len=max(cases) + 8), loaded)
 
     def first_token(ids: list[int]) -> None:
         engine.generate([ids], 1)
+    first_token.own_kernel_calls = lambda: kernels.calls
     return first_token
 
 
-class _WithoutPromptAttention:
-    """sssd._kernels with prompt_attention declining every call."""
+class _PromptAttentionCount:
+    """sssd._kernels, counting the prompt_attention calls that the kernel answered (with
+    `declines`: declining every call, so that the decoder attends by PyTorch)."""
 
-    def __init__(self, kernels) -> None:
-        self._kernels = kernels
+    def __init__(self, kernels, declines: bool) -> None:
+        self._kernels, self._declines, self.calls = kernels, declines, 0
+
+    def prompt_attention(self, *args) -> bool:
+        if self._declines:
+            return False
+        done = self._kernels.prompt_attention(*args)
+        self.calls += done
+        return done
 
     def __getattr__(self, name: str):
-        if name == "prompt_attention":
-            return lambda *args: False
         return getattr(self._kernels, name)
 
 
@@ -101,11 +110,13 @@ def worker(args: argparse.Namespace) -> None:
             run(ids)
             seconds.append(time.perf_counter() - start)
         result[length] = statistics.median(seconds)
-    print(RESULT + json.dumps(result), flush=True)
+    calls = getattr(run, "own_kernel_calls", None)
+    print(RESULT + json.dumps({"seconds": result, "own_kernel_calls":
+                               calls() if calls else None}), flush=True)
 
 
 def run_system(args: argparse.Namespace, system: str, model: str, work: Path,
-               prompts_file: Path, vllm_model: Path | None) -> dict[int, float]:
+               prompts_file: Path, vllm_model: Path | None) -> dict:
     python = VLLM_PYTHON if system == "vllm" else Path(sys.executable)
     command = [str(python), __file__, "--worker", "--system", system, "--dtype", args.dtype,
                "--prompts-file", str(prompts_file)]
@@ -121,7 +132,9 @@ def run_system(args: argparse.Namespace, system: str, model: str, work: Path,
     if done.returncode != 0:
         raise SystemExit(f"{system} on {model} failed:\n{done.stderr[-4000:]}")
     line = next(line for line in done.stdout.splitlines() if line.startswith(RESULT))
-    return {int(n): s for n, s in json.loads(line[len(RESULT):]).items()}
+    result = json.loads(line[len(RESULT):])
+    result["seconds"] = {int(n): s for n, s in result["seconds"].items()}
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -163,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
             gguf = model_file(model)
             vllm_model = export_model(work / f"model-{model}", gguf) if "vllm" in systems \
                 else None
-            rounds: dict[str, list[dict[int, float]]] = {}
+            rounds: dict[str, list[dict]] = {}
             for index in range(args.rounds):
                 for system in systems:
                     print(f"{model}: round {index + 1}/{args.rounds}, {system}", file=sys.stderr,
@@ -171,13 +184,17 @@ def main(argv: list[str] | None = None) -> None:
                     rounds.setdefault(system, []).append(
                         run_system(args, system, model, work, prompts_file, vllm_model))
             for length in lengths:
-                medians = {s: statistics.median(r[length] for r in rounds[s]) for s in systems}
+                medians = {s: statistics.median(r["seconds"][length] for r in rounds[s])
+                           for s in systems}
                 for system in systems:
                     row = {"model": model, "dtype": args.dtype, "length": length,
                            "system": system, "ms": round(1e3 * medians[system], 1),
                            "tokens_per_s": round(length / medians[system], 1),
-                           "rounds_ms": [round(1e3 * r[length], 1) for r in rounds[system]],
+                           "rounds_ms": [round(1e3 * r["seconds"][length], 1)
+                                         for r in rounds[system]],
                            "cpu": cpu_name()}
+                    if system != "vllm":  # whether the engine's own prompt kernel ran
+                        row["own_kernel_calls"] = rounds[system][0]["own_kernel_calls"]
                     if "vllm" in medians:
                         row["speed_vs_vllm"] = round(medians["vllm"] / medians[system], 2)
                     print(json.dumps(row), flush=True)

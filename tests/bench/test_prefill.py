@@ -1,0 +1,38 @@
+"""bench/prefill.py on the default model, its smallest run: both engine systems in their own
+processes (vLLM is left out: its environment is .venv-vllm), one JSON line each per length, and
+engine-flash really without the engine's prompt kernel."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from sssd import _kernels
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import prefill  # noqa: E402
+
+
+@pytest.mark.model
+def test_the_smallest_run_prints_a_row_per_system_and_length(tmp_path):
+    out = tmp_path / "prefill.jsonl"
+    prefill.main(["--models", "smollm2", "--lengths", "70,130", "--repeats", "1", "--rounds",
+                  "1", "--systems", "engine,engine-flash", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["length"], r["system"]) for r in rows] == [
+        (70, "engine"), (70, "engine-flash"), (130, "engine"), (130, "engine-flash")]
+    for row in rows:
+        assert row["ms"] > 0 and row["tokens_per_s"] > 0 and "speed_vs_vllm" not in row
+    # Every layer of every prompt (warm-up and measured: 2 of each length) by the kernel.
+    layers = 30
+    expected = 4 * layers if _kernels.has_avx512() else 0
+    assert {r["system"]: r["own_kernel_calls"] for r in rows} == {"engine": expected,
+                                                                  "engine-flash": 0}
+
+
+def test_unknown_systems_and_lengths_are_refused():
+    with pytest.raises(SystemExit, match="unknown systems"):
+        prefill.main(["--systems", "engine,sglang"])
+    with pytest.raises(SystemExit, match="positive"):
+        prefill.main(["--systems", "engine", "--lengths", "0"])
