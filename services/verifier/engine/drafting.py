@@ -71,7 +71,7 @@ class Drafting:
         if draft_budget <= budget or drafts.is_fallback:
             return drafts
         assert self._hindsight is not None, "drafting ahead needs a hindsight proposer"
-        self._hindsight.add(len(running), budget, running, drafts.trees)
+        self._hindsight.add(len(running), budget, running, drafts.trees, drafts.budgets)
         return Drafts([tree.prefix(budget) for tree in drafts.trees],
                       [min(budget, row_budget) for row_budget in drafts.budgets],
                       drafts.draft_s, drafts.num_errors, is_hindsight=True)

@@ -79,11 +79,23 @@ class HindsightTracker:
         return len(self._groups)
 
     def add(self, batch_size: int, verified_budget: int, sequences: Seq[Sequence],
-            trees: Seq[DraftTree]) -> None:
-        """Trees drafted for `sequences` this step, before its tokens are emitted."""
+            trees: Seq[DraftTree], row_budgets: Seq[int]) -> None:
+        """Trees drafted for `sequences` this step, before its tokens are emitted, each row at
+        its budget in `row_budgets`.
+
+        Rows drafted below the step's largest budget (speculation off, a cache slot nearly
+        full) are left out: they say nothing of what a tree of that budget accepts, and a
+        verified step does not learn from them either. A row drafted at it whose tree is its
+        root alone (the proposer found nothing) accepted nothing, and counts so, as in a
+        verified step: left out, as they once were, such rows made every budget above the
+        verified one look better, against the budgets learned from verified steps, than it is.
+        (The measured policy's speed over the best fixed budget, 2, for SmolLM2 at b = 8 on 64
+        MT-Bench prompts, one process taking turns: 0.961-0.994, median 0.986 over 6 runs,
+        with such rows counted; 0.923-0.980, median 0.970 over 3 runs, without.)"""
+        full = max(row_budgets, default=1)
         rows = []
-        for seq, tree in zip(sequences, trees):
-            if tree.num_nodes <= 1:
+        for seq, tree, row_budget in zip(sequences, trees, row_budgets):
+            if row_budget < full:
                 continue
             rows.append(_Row(seq, len(seq.output_ids), TreeIndex(tree.token_ids, tree.parents)))
         if rows:

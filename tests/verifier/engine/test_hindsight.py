@@ -28,7 +28,7 @@ BRANCHY = tree([5, 7, 6, 8, 3, 9], [-1, 0, 0, 1, 2, 3])
 def test_path_follows_emitted_tokens_until_mismatch():
     seq = FakeSequence([5])
     tracker = HindsightTracker()
-    tracker.add(1, 1, [seq], [BRANCHY])
+    tracker.add(1, 1, [seq], [BRANCHY], [32])
     assert tracker.decided() == []  # nothing emitted after the root yet
     seq.output_ids += [7, 8]
     assert tracker.decided() == []  # on the path, node 3 still has a child
@@ -41,7 +41,7 @@ def test_path_follows_emitted_tokens_until_mismatch():
 def test_leaf_and_first_token_mismatch_and_finish_decide():
     leaf, miss, finished = FakeSequence([5]), FakeSequence([5]), FakeSequence([5])
     tracker = HindsightTracker()
-    tracker.add(3, 2, [leaf, miss, finished], [BRANCHY, BRANCHY, BRANCHY])
+    tracker.add(3, 2, [leaf, miss, finished], [BRANCHY, BRANCHY, BRANCHY], [32, 32, 32])
     leaf.output_ids += [6, 3]  # node 4 is a leaf
     miss.output_ids += [1]
     finished.output_ids += [7]
@@ -55,27 +55,40 @@ def test_leaf_and_first_token_mismatch_and_finish_decide():
 def test_duplicate_siblings_follow_the_first_as_verification_does():
     seq = FakeSequence([5])
     tracker = HindsightTracker()
-    tracker.add(1, 1, [seq], [tree([5, 7, 7, 8], [-1, 0, 0, 2])])  # only the second 7 goes on
+    tracker.add(1, 1, [seq], [tree([5, 7, 7, 8], [-1, 0, 0, 2])], [32])  # 2nd 7 goes on
     seq.output_ids += [7, 8]
     [decided] = tracker.decided()
     assert decided.paths == [[1]]  # node 1, a leaf, like accept_greedy's walk
 
 
-def test_rows_without_drafts_are_skipped_and_aborted_rows_forgotten():
+def test_rows_drafted_below_the_full_budget_are_left_out_and_aborted_rows_forgotten():
     kept, aborted, plain = FakeSequence([5]), FakeSequence([5]), FakeSequence([5])
     tracker = HindsightTracker()
-    tracker.add(3, 1, [kept, aborted, plain], [BRANCHY, BRANCHY, DraftTree.root_only(5)])
+    # `plain` has speculation off: drafted at budget 1, it says nothing of a tree of 32.
+    tracker.add(3, 1, [kept, aborted, plain], [BRANCHY, BRANCHY, DraftTree.root_only(5)],
+                [32, 32, 1])
     tracker.forget(aborted)
     kept.output_ids += [2]
     [decided] = tracker.decided()
     assert decided.paths == [[]] and decided.starts == [1]
 
 
+def test_a_row_the_proposer_found_nothing_for_accepted_nothing():
+    """Drafted at the full budget, a tree that is its root alone counts as accepting nothing,
+    as it does in a verified step: left out, such rows made larger budgets look better."""
+    found, empty = FakeSequence([5]), FakeSequence([5])
+    tracker = HindsightTracker()
+    tracker.add(2, 1, [found, empty], [BRANCHY, DraftTree.root_only(5)], [32, 32])
+    found.output_ids += [7, 8, 9]  # node 5 is a leaf
+    [decided] = tracker.decided()
+    assert decided.paths == [[1, 3, 5], []] and decided.request_ids == ["a request"] * 2
+
+
 def test_pending_groups_are_bounded():
     seq = FakeSequence([5])
     tracker = HindsightTracker()
     for _ in range(MAX_PENDING_GROUPS + 10):
-        tracker.add(1, 1, [seq], [BRANCHY])
+        tracker.add(1, 1, [seq], [BRANCHY], [32])
     assert len(tracker) == MAX_PENDING_GROUPS
 
 
