@@ -64,6 +64,17 @@ inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mul_ps(static_cast<__mmask16>(~vanishes), p, scale);
 }
 
+// row[p] = exp(row[p] - max(row)) for a row of scores [length], a multiple of 16, whose hidden
+// keys hold -inf (and weigh exactly 0).
+inline void exp_from_maximum(float* row, int64_t length) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t p = 0; p < length; p += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + p));
+  const __m512 maximum = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  for (int64_t p = 0; p < length; p += 16) {
+    _mm512_storeu_ps(row + p, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + p), maximum)));
+  }
+}
+
 inline void store_row(const float* values, int64_t count, Dtype dtype, void* base,
                       int64_t offset) {
   if (dtype == Dtype::kFloat32) {
@@ -183,12 +194,7 @@ void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
       if (!problem.visible(s, j, cached + t)) row[cached + t] = -INFINITY;
     }
     for (int64_t p = length; p < stride; ++p) row[p] = -INFINITY;
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int64_t p = 0; p < stride; p += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + p));
-    const __m512 maximum = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-    for (int64_t p = 0; p < stride; p += 16) {
-      _mm512_storeu_ps(row + p, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + p), maximum)));
-    }
+    exp_from_maximum(row, stride);
   }
 
   // 3. Values, a tile of queries at a time, then the output in the model's dtype.
@@ -314,12 +320,7 @@ void attend_prompt_block(const PromptProblem& problem, int64_t g, int64_t first,
     float* row = scores + i * stride;
     const int64_t seen = first + i / group + 1;
     for (int64_t p = seen; p < stride; ++p) row[p] = -INFINITY;
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int64_t p = 0; p < stride; p += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + p));
-    const __m512 maximum = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-    for (int64_t p = 0; p < stride; p += 16) {
-      _mm512_storeu_ps(row + p, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + p), maximum)));
-    }
+    exp_from_maximum(row, stride);
   }
   const T* values = static_cast<const T*>(problem.value_cache) + problem.cache_offset(g);
   float result[kTile * HD];
