@@ -95,6 +95,8 @@ class HindsightTracker:
         counted, 0.970 over 3 left out; Qwen2.5-Coder-1.5B at b = 4, 16 prompts, one run,
         0.965 counted, 0.989 left out)."""
         full = max(row_budgets, default=1)
+        if full <= verified_budget:  # no row drafted past what is verified (speculation off)
+            return
         rows = []
         for seq, tree, row_budget in zip(sequences, trees, row_budgets):
             if row_budget < full:

@@ -73,6 +73,13 @@ def test_rows_drafted_below_the_full_budget_are_left_out_and_aborted_rows_forgot
     assert decided.paths == [[]] and decided.starts == [1]
 
 
+def test_a_step_whose_rows_all_have_speculation_off_teaches_nothing():
+    tracker = HindsightTracker()
+    tracker.add(2, 1, [FakeSequence([5]), FakeSequence([5])],
+                [DraftTree.root_only(5), DraftTree.root_only(5)], [1, 1])
+    assert len(tracker) == 0 and tracker.decided() == []
+
+
 def test_a_row_the_proposer_found_nothing_for_accepted_nothing():
     """Drafted at the full budget, a tree that is its root alone counts as accepting nothing,
     as it does in a verified step: left out, such rows made larger budgets look better."""
