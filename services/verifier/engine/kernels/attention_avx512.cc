@@ -123,11 +123,38 @@ inline void weigh_values(const float* weights, int64_t stride, const T* values, 
   }
 }
 
+// Pass 3 for `count` queries of key head g, node-major (query i: token first_token + i / group,
+// query head g * group + i % group), their weights rows of `scores` `stride` apart over keys
+// [0, length): out = the weighted values, a tile of queries at a time, in the model's dtype.
+template <typename T, int64_t HD>
+void weigh_and_store(const AttentionProblem& problem, int64_t g, const float* scores,
+                     int64_t stride, int64_t count, const T* values, int64_t length,
+                     int64_t first_token) {
+  // Query tiles: accumulators and one value in registers (32 of them).
+  constexpr int64_t kTile = HD == 64 ? 4 : 2;
+  const int64_t group = problem.group();
+  float result[kTile * HD];
+  const auto write = [&](int64_t first, int64_t tile) {
+    for (int64_t t = 0; t < tile; ++t) {
+      const int64_t query = first + t, j = query / group, k = query % group;
+      store_row(result + t * HD, HD, problem.dtype, problem.out,
+                ((first_token + j) * problem.heads + g * group + k) * HD);
+    }
+  };
+  int64_t i = 0;
+  for (; i + kTile <= count; i += kTile) {
+    weigh_values<T, HD, kTile>(scores + i * stride, stride, values, length, result);
+    write(i, kTile);
+  }
+  for (; i < count; ++i) {
+    weigh_values<T, HD, 1>(scores + i * stride, stride, values, length, result);
+    write(i, 1);
+  }
+}
+
 template <typename T, int64_t HD>
 void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
   constexpr int64_t kChunks = HD / 16;
-  // Query tiles of pass 3: accumulators and one value in registers (32 of them).
-  constexpr int64_t kTile = HD == 64 ? 4 : 2;
   thread_local Scratch scratch;
   const int64_t group = problem.group(), num_nodes = problem.num_nodes;
   const int64_t count = group * num_nodes;  // queries, node-major: i = j * group + k
@@ -197,24 +224,8 @@ void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
     exp_from_maximum(row, stride);
   }
 
-  // 3. Values, a tile of queries at a time, then the output in the model's dtype.
-  float result[kTile * HD];
-  int64_t i = 0;
-  const auto write = [&](int64_t first, int64_t tile) {
-    for (int64_t t = 0; t < tile; ++t) {
-      const int64_t query = first + t, j = query / group, k = query % group;
-      store_row(result + t * HD, HD, problem.dtype, problem.out,
-                ((s * num_nodes + j) * problem.heads + g * group + k) * HD);
-    }
-  };
-  for (; i + kTile <= count; i += kTile) {
-    weigh_values<T, HD, kTile>(scores + i * stride, stride, values, length, result);
-    write(i, kTile);
-  }
-  for (; i < count; ++i) {
-    weigh_values<T, HD, 1>(scores + i * stride, stride, values, length, result);
-    write(i, 1);
-  }
+  // 3. Values, then the output in the model's dtype.
+  weigh_and_store<T, HD>(problem, g, scores, stride, count, values, length, s * num_nodes);
 }
 
 // --- prompts -----------------------------------------------------------------------------------
@@ -286,10 +297,8 @@ inline void score_rows(const float* queries, const float* blocks, int64_t num_bl
 
 // Query positions [first, first + count) of key head g; `blocks`: its keys, transposed.
 template <typename T, int64_t HD>
-void attend_prompt_block(const PromptProblem& problem, int64_t g, int64_t first,
+void attend_prompt_block(const AttentionProblem& problem, int64_t g, int64_t first,
                          int64_t num_positions, const float* blocks) {
-  constexpr int64_t kChunks = HD / 16;
-  constexpr int64_t kTile = HD == 64 ? 4 : 2;
   thread_local Scratch scratch;
   const int64_t group = problem.group(), heads = problem.heads;
   const int64_t count = group * num_positions;  // query rows, position-major: i = j * group + k
@@ -322,29 +331,13 @@ void attend_prompt_block(const PromptProblem& problem, int64_t g, int64_t first,
     for (int64_t p = seen; p < stride; ++p) row[p] = -INFINITY;
     exp_from_maximum(row, stride);
   }
-  const T* values = static_cast<const T*>(problem.value_cache) + problem.cache_offset(g);
-  float result[kTile * HD];
-  const auto write = [&](int64_t row, int64_t tile) {
-    for (int64_t t = 0; t < tile; ++t) {
-      const int64_t query = row + t, j = query / group, k = query % group;
-      store_row(result + t * HD, HD, problem.dtype, problem.out,
-                ((first + j) * heads + g * group + k) * HD);
-    }
-  };
-  for (i = 0; i + kTile <= count; i += kTile) {
-    weigh_values<T, HD, kTile>(scores + i * stride, stride, values, end, result);
-    write(i, kTile);
-  }
-  for (; i < count; ++i) {
-    weigh_values<T, HD, 1>(scores + i * stride, stride, values, end, result);
-    write(i, 1);
-  }
-  static_assert(kChunks >= 1);
+  const T* values = static_cast<const T*>(problem.value_cache) + problem.cache_offset(0, g);
+  weigh_and_store<T, HD>(problem, g, scores, stride, count, values, end, first);
 }
 
 template <typename T, int64_t HD>
-void attend_prompt(const PromptProblem& problem) {
-  const int64_t length = problem.length, kv_heads = problem.kv_heads;
+void attend_prompt(const AttentionProblem& problem) {
+  const int64_t length = problem.num_nodes, kv_heads = problem.kv_heads;
   const int64_t positions = std::max<int64_t>(1, kPromptRows / problem.group());
   const int64_t num_key_blocks = (length + 15) / 16;
   const int64_t num_query_blocks = (length + positions - 1) / positions;
@@ -361,7 +354,7 @@ void attend_prompt(const PromptProblem& problem) {
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < key_items; ++item) {
       const int64_t g = item / num_key_blocks, b = item % num_key_blocks;
-      transpose_keys<T, HD>(keys + problem.cache_offset(g), 16 * b, length,
+      transpose_keys<T, HD>(keys + problem.cache_offset(0, g), 16 * b, length,
                             blocks + item * HD * 16);
     }
 #pragma omp for schedule(dynamic, 1)
@@ -390,7 +383,7 @@ bool attend_avx512(const AttentionProblem& problem, int64_t s, int64_t g) {
   }
 }
 
-bool prompt_attention_avx512(const PromptProblem& problem) {
+bool prompt_attention_avx512(const AttentionProblem& problem) {
   const bool is_float = problem.dtype == Dtype::kFloat32;
   switch (problem.head_dim) {
     case 64:

@@ -357,8 +357,9 @@ bool prompt_attention(const void* q, const void* key_cache, const void* value_ca
     throw std::invalid_argument("prompt_attention: heads must be a multiple of kv_heads");
   }
   if (portable.load() || !has_avx512()) return false;
-  const detail::PromptProblem problem{q,        key_cache, value_cache, out,   slot, length,
-                                      heads,    kv_heads,  head_dim,    capacity, scale, dtype};
+  const AttentionProblem problem{q,        key_cache, value_cache, nullptr,  nullptr, out,
+                                 slot,     1,         length,      heads,    kv_heads, head_dim,
+                                 capacity, scale,     dtype};
   return detail::prompt_attention_avx512(problem);
 }
 

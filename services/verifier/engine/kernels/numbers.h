@@ -82,22 +82,10 @@ struct AttentionProblem {
   }
 };
 
-// Causal attention of one prompt over its own keys (prompt_attention in fused_ops.h).
-struct PromptProblem {
-  const void* q;
-  const void* key_cache;
-  const void* value_cache;
-  void* out;
-  int64_t slot, length, heads, kv_heads, head_dim, capacity;
-  float scale;
-  Dtype dtype;
-
-  int64_t group() const { return heads / kv_heads; }
-  int64_t cache_offset(int64_t g) const { return (slot * kv_heads + g) * capacity * head_dim; }
-};
-
-// prompt_attention's AVX-512 body; false when it does not apply (head_dim other than 64 or 128).
-bool prompt_attention_avx512(const PromptProblem& problem);
+// prompt_attention's AVX-512 body, for a problem of one row (first_slot: the prompt's slot) whose
+// num_nodes positions start the cache (cache_lens and tree_bits unused: each position sees the
+// ones before it); false when it does not apply (head_dim other than 64 or 128).
+bool prompt_attention_avx512(const AttentionProblem& problem);
 
 // The AVX-512 attention for one (row, key head) pair; false when it does not apply (head_dim
 // other than 64 or 128): the caller then runs the portable one.
