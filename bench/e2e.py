@@ -24,6 +24,16 @@ Prints one JSON object per (mode, batch, policy) on stdout:
   draft_accepted_per_step     draft tokens accepted per sequence per step (tokens_per_step - 1)
   draft_ms_per_step           mean wall time of the batched drafter call per step
   verify_ms_per_step          mean wall time of the verification forward pass per step
+  tpot_ms_median              median over the prompts of each answer's time per output token
+                              after its first (TPOT as vLLM's benchmark client measures it)
+  speedup_tpot_median         median over the prompts of ar's TPOT over this one's for the same
+                              prompt: the speed a user sees while the answer streams. Neither
+                              speedup is a loaded server's: `speedup` counts a chunk's drain
+                              (its last answers run alone, and speculation, finishing some
+                              sooner, drains more: rows_per_step), and a TPOT counts the steps
+                              that prefilled prompts admitted beside the answer, which in ar
+                              come between waves (answers of max_tokens end together) and with
+                              speculation in mid-answer
   same_as_ar                  prompts whose output equals ar's at the same batch size (bf16
                               ties can flip argmax between batch shapes; float32 is exact, see
                               tests/verifier/test_engine_greedy.py)
@@ -56,6 +66,7 @@ from sssd.common.model.loader import LoadedModel, load_causal_lm
 from sssd.datastore.manifest import read_manifest
 from sssd.verifier.engine import EngineConfig, EngineStats
 from sssd.verifier.engine.budget_policy import FixedBudget
+from sssd.verifier.engine.request import GenerateRequest, SamplingParams
 from sssd.verifier.factory import build_engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -102,14 +113,16 @@ class Run:
         self.elapsed = 0.0
         self.chunk_tok_s: list[float] = []
         self.outputs: list[list[int]] = []
+        self.tpots: list[float | None] = []  # per prompt, in the order of self.outputs
 
     def run_chunk(self, prompts: list[list[int]], max_tokens: int) -> None:
         start = time.perf_counter()
-        outputs = self.engine.generate(prompts, max_tokens)
+        outputs, tpots = decode_timed(self.engine, prompts, max_tokens)
         elapsed = time.perf_counter() - start
         self.elapsed += elapsed
         self.chunk_tok_s.append(sum(len(o) for o in outputs) / elapsed)
         self.outputs += outputs
+        self.tpots += tpots
 
     def row(self) -> dict:
         stats = self.engine.stats
@@ -128,10 +141,45 @@ class Run:
             "prefill_s": stats.prefill_s, "num_steps": stats.num_steps,
             "draft_failures": stats.num_draft_failures,
             "budget_counts": {str(k): v for k, v in sorted(stats.budget_counts.items())},
+            "tpot_ms_median": 1e3 * statistics.median(timed) if (timed := [
+                t for t in self.tpots if t is not None]) else None,
         }
 
     def close(self) -> None:
         self.engine.close()
+
+
+def decode_timed(engine, prompts: list[list[int]],
+                 max_tokens: int) -> tuple[list[list[int]], list[float | None]]:
+    """Greedy answers to the prompts, decoded as `Engine.generate` does (continuous batching at
+    the engine's batch size), and each answer's time per output token: from its first token to
+    its last over the tokens after the first, as vLLM's benchmark client defines TPOT (None for
+    an answer of one token). Steps that also prefilled prompts admitted beside the answer
+    count in its TPOT, as they do for a server's user."""
+    sequences = [engine.add_request(GenerateRequest(tuple(p), max_tokens, SamplingParams()))
+                 for p in prompts]
+    seen = [0] * len(sequences)
+    first: list[float | None] = [None] * len(sequences)
+    last: list[float | None] = [None] * len(sequences)
+    while engine.has_work():
+        engine.step()
+        now = time.perf_counter()
+        for i, sequence in enumerate(sequences):
+            count = len(sequence.output_ids)
+            if count != seen[i]:
+                seen[i] = count
+                last[i] = now
+                if first[i] is None:
+                    first[i] = now
+    tpots = [(end - begin) / (count - 1) if count > 1 else None
+             for begin, end, count in zip(first, last, seen)]
+    return [s.output_ids for s in sequences], tpots
+
+
+def tpot_speedups(baseline: list[float | None], run: list[float | None]) -> list[float]:
+    """Per prompt answered by both with more than one token: the baseline's TPOT over the
+    run's."""
+    return [b / r for b, r in zip(baseline, run) if b is not None and r]
 
 
 def start_drafters(loaded: LoadedModel, datastores: set[Path | None]) -> dict[Path | None, tuple]:
@@ -331,6 +379,9 @@ def main(argv: list[str] | None = None) -> None:
                     row["speedup_chunks"] = [round(x, 3) for x in speedups]
                     row["prompts_per_chunk"] = [len(chunk) for chunk in chunks]
                     row["same_as_ar"] = sum(a == b for a, b in zip(run.outputs, baseline.outputs))
+                    by_prompt = tpot_speedups(baseline.tpots, run.tpots)
+                    if by_prompt:
+                        row["speedup_tpot_median"] = statistics.median(by_prompt)
                 row.update(prompt_set=args.set, num_prompts=len(prompts),
                            max_tokens=args.max_tokens,
                            dtype=args.dtype, device=loaded.device, drafter=args.drafter)
