@@ -184,7 +184,7 @@ def start_ours(args: argparse.Namespace, server: str, work: Path,
         command.append("--no-ray")
     elif server == "ours-inproc":
         command += ["--no-ray", "--drafter-in-process"]
-    else:  # Ray's default splits the cores between the prefill and the decode worker
+    elif args.threads:  # else `sssd up`'s own: the cores split among the Ray workers
         command += ["--torch-threads", str(args.threads)]
     if args.datastore:
         command += ["--datastore", args.datastore]
@@ -328,8 +328,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="the drafters' datastore (default: the demo datastore of the "
                         "model's tokenizer)")
     parser.add_argument("--k", type=int, default=4, help="vLLM's draft length")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2,
-                        help="torch threads of our decode worker")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of each of our Ray workers (default: what `sssd up` "
+                        "picks, the cores split among them; on 2 cores, one each: two each "
+                        "decoded no faster with speculation and slower without, "
+                        "docs/operations.md)")
     parser.add_argument("--out", default="bench/results/http-peers.jsonl")
     parser.add_argument("--plot", default=None, help="only draw the PNG of this JSONL")
     args = parser.parse_args(argv)
