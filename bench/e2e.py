@@ -158,28 +158,27 @@ def decode_timed(engine, prompts: list[list[int]],
     count in its TPOT, as they do for a server's user."""
     sequences = [engine.add_request(GenerateRequest(tuple(p), max_tokens, SamplingParams()))
                  for p in prompts]
-    seen = [0] * len(sequences)
+    index = {sequence.request_id: i for i, sequence in enumerate(sequences)}
     first: list[float | None] = [None] * len(sequences)
     last: list[float | None] = [None] * len(sequences)
     while engine.has_work():
-        engine.step()
+        rows = engine.step().rows  # the sequences that gained tokens in the step
         now = time.perf_counter()
-        for i, sequence in enumerate(sequences):
-            count = len(sequence.output_ids)
-            if count != seen[i]:
-                seen[i] = count
+        for row in rows:
+            i = index[row.request_id]
+            if row.token_ids:
                 last[i] = now
                 if first[i] is None:
                     first[i] = now
-    tpots = [(end - begin) / (count - 1) if count > 1 else None
-             for begin, end, count in zip(first, last, seen)]
+    tpots = [(end - begin) / (len(s.output_ids) - 1) if len(s.output_ids) > 1 else None
+             for begin, end, s in zip(first, last, sequences)]
     return [s.output_ids for s in sequences], tpots
 
 
 def tpot_speedups(baseline: list[float | None], run: list[float | None]) -> list[float]:
     """Per prompt answered by both with more than one token: the baseline's TPOT over the
     run's."""
-    return [b / r for b, r in zip(baseline, run) if b is not None and r]
+    return [b / r for b, r in zip(baseline, run) if b and r]
 
 
 def start_drafters(loaded: LoadedModel, datastores: set[Path | None]) -> dict[Path | None, tuple]:
