@@ -59,6 +59,7 @@ from pathlib import Path
 
 import torch
 
+from sssd.cli.datastores import check_datastore
 from sssd.common.config.logs import configure_logging
 from sssd.common.data.corpus import prompt_token_ids
 from sssd.common.model.device import check_device
@@ -331,6 +332,11 @@ def main(argv: list[str] | None = None) -> None:
     args.profile.parent.mkdir(parents=True, exist_ok=True)
 
     loaded = load_causal_lm(args.model, args.dtype, args.device)
+    for ds in summaries:
+        try:
+            check_datastore(ds, loaded.fingerprint)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
     prompts = [prompt_token_ids(loaded.tokenizer, text)
                for text in prompt_texts(args.set, args.prompts)]
     max_len = max(len(p) for p in prompts) + args.max_tokens + 64

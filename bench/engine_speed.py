@@ -228,6 +228,18 @@ def prompt_ids(model: str | None, set_name: str, limit: int) -> list[list[int]]:
     return [prompt_token_ids(tokenizer, text) for text in prompt_texts(set_name, limit)]
 
 
+def check_tokenizer(datastore: Path, model: str | None) -> None:
+    """Exits when the datastore was built with another tokenizer than the model's: the
+    drafters would refuse it, and the speculative rows would draft without it."""
+    from sssd.cli.datastores import check_datastore
+    from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+    try:
+        check_datastore(datastore, tokenizer_fingerprint(load_tokenizer(model)))
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+
+
 def run_system(args: argparse.Namespace, system: str, cell: dict, work: Path,
                prompts_file: Path, extra: dict) -> dict:
     python = VLLM_PYTHON if system.startswith("vllm") else Path(sys.executable)
@@ -323,6 +335,8 @@ def main(argv: list[str] | None = None) -> None:
             if model_speculative and datastore is None:
                 raise SystemExit("no datastore for the speculative systems: pass --datastore "
                                  "or run sssd up once (it builds var/demo-datastore)")
+            if model_speculative:
+                check_tokenizer(Path(datastore), gguf)
             if "vllm-sssd" in model_speculative and drafter is None:
                 port = free_port()
                 drafter = (start_drafter(datastore, port), f"127.0.0.1:{port}")

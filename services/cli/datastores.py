@@ -120,7 +120,9 @@ def check_datastore(directory: Path, fingerprint: str) -> None:
     if built_with != fingerprint:
         raise NoDatastore(f"{directory} was built with another tokenizer ({built_with[:12]}) "
                           f"than the model's ({fingerprint[:12]}): its drafts would be other "
-                          "tokens")
+                          "tokens, and a drafter refuses its shards (rebuild it with this "
+                          "model's tokenizer; the fingerprint covers the special tokens as the "
+                          "installed transformers reports them, so an upgrade can change it)")
 
 
 def add_datastore_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -29,3 +29,22 @@ def test_tpot_speedups_pair_prompts_and_skip_untimed_ones():
     assert tpot_speedups([0.2, None, 0.3, 0.1], [0.1, 0.1, None, 0.05]) == \
         pytest.approx([2.0, 2.0])
     assert tpot_speedups([], []) == []
+
+
+def test_a_datastore_of_another_tokenizer_stops_the_benchmark_before_it_measures(
+        tmp_path, monkeypatch, capsys, target_model_fp32):
+    """A drafter refuses such shards and drafts from each sequence's own tokens: the SSSD rows
+    would be measured without the datastore they name (as on a GPU machine whose transformers
+    fingerprinted the tokenizer differently)."""
+    import e2e
+
+    from sssd.datastore.build import build_datastore
+
+    build_datastore(tmp_path / "other", [[1, 2, 3, 4]], target_model_fp32.vocab_size, "e" * 64)
+    monkeypatch.setattr(e2e, "load_causal_lm", lambda *args: target_model_fp32)
+    monkeypatch.setattr(sys, "argv", ["e2e.py", "--datastore", str(tmp_path / "other"),
+                                      "--prompts", "1", "--batch-sizes", "1", "--hf-prompts", "0",
+                                      "--png", str(tmp_path / "e2e.png")])
+    with pytest.raises(SystemExit, match="built with another tokenizer"):
+        e2e.main()
+    assert capsys.readouterr().out == ""  # no row printed
