@@ -81,7 +81,7 @@ from sssd.speculator.client import RemoteSpeculator
 from sssd.verifier.engine.config import SERVING_PROFILE_PATH, EngineConfig
 from sssd.verifier.serving.config import FrontendConfig, RayConfig
 from sssd.verifier.serving.frontend import Frontend
-from sssd.verifier.serving.placement import plan_workers
+from sssd.verifier.serving.placement import MIN_CPUS_TO_DISAGGREGATE, plan_workers
 
 logger = logging.getLogger(__name__)
 
@@ -372,8 +372,11 @@ def http_examples(url: str, model: str) -> str:
 def describe_workers(ray_config: RayConfig) -> str:
     """The worker counts placement.plan_workers chooses on CPUs (on GPUs unset counts become
     one worker per GPU, known once Ray is up)."""
-    plan = plan_workers(ray_config, "cpu", 0)
+    plan = plan_workers(ray_config, "cpu", 0, ray_config.num_cpus or os.cpu_count() or 1)
     text = f"{plan.num_prefill_workers} prefill + {plan.num_decode_workers} decode workers"
+    if plan.num_prefill_workers == 0:
+        text += " (which prefill their own prompts: fewer than " \
+            f"{MIN_CPUS_TO_DISAGGREGATE} cores)"
     if ray_config.num_prefill_workers is None or ray_config.num_decode_workers is None:
         text += " (with GPUs: one per GPU)"
     return text

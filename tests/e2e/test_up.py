@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from sssd.cli.up import describe_workers
+from sssd.verifier.serving.config import RayConfig
+
 pytest.importorskip("ray")
 
 
@@ -41,8 +44,8 @@ def test_sssd_up_once_serves_a_prompt_and_stops(tmp_path, warm_datastore, free_p
     out = done.stdout
     for step in ("[1/5] live datastore var/live/datastore (seeded from ",
                  "[2/5] drafter service on 127.0.0.1:",
-                 "[3/5] starting Ray (1 prefill + 1 decode workers (with GPUs: one per GPU), "
-                 "auth token)",
+                 # 0 prefill workers on this 2-core machine, 1 from 4 cores on
+                 f"[3/5] starting Ray ({describe_workers(RayConfig())}, auth token)",
                  "[4/5] serving the Generate API on 127.0.0.1:", ">>> Name a colour.",
                  # HTTPS with the stack's TLS files, and how to call it
                  f"OpenAI-compatible HTTP API on https://127.0.0.1:{http_port}/v1",

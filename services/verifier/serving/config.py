@@ -26,9 +26,12 @@ def is_loopback(host: str) -> bool:
 class RayConfig:
     """Prefill/decode workers on Ray (ray_backend.py); auth is explained in ray_auth.py."""
 
-    # Unset counts: 1 each on CPUs; with GPUs one worker per GPU (serving/placement.py).
+    # Unset counts: on CPUs 1 decode worker, and 1 prefill worker from 4 CPUs on (below, the
+    # decode worker prefills); with GPUs one worker per GPU (serving/placement.py).
     num_prefill_workers: int | None = option(
-        None, "Ray actors that prefill prompts; unset: 1", flag="--prefill-workers")
+        None, "Ray actors that prefill prompts; 0: each decode worker prefills its own, inside "
+        "its decode steps; unset: 1, or 0 on a CPU cluster of fewer than 4 CPUs",
+        flag="--prefill-workers")
     num_decode_workers: int | None = option(
         None, "Ray actors that decode (engine loops); unset: 1, or on GPUs one per GPU left "
         "after the prefill workers", flag="--decode-workers")
@@ -71,9 +74,10 @@ class RayConfig:
     metrics_report_interval_ms: int = 2000
 
     def __post_init__(self) -> None:
-        if any(n is not None and n < 1 for n in (self.num_prefill_workers,
-                                                 self.num_decode_workers)):
-            raise ValueError("need at least one prefill worker and one decode worker")
+        if self.num_prefill_workers is not None and self.num_prefill_workers < 0:
+            raise ValueError(f"need 0 or more prefill workers, got {self.num_prefill_workers}")
+        if self.num_decode_workers is not None and self.num_decode_workers < 1:
+            raise ValueError(f"need at least one decode worker, got {self.num_decode_workers}")
         if self.gpus_per_worker is not None and not 0 < self.gpus_per_worker <= 1:
             raise ValueError(f"gpus_per_worker must be in (0, 1] (a worker runs the model on "
                              f"one GPU), got {self.gpus_per_worker}")

@@ -105,8 +105,9 @@ class RayBackend:
             self.endpoints = init_ray(self.ray_config)
             self._owns_ray = True
         cfg = self.ray_config
-        plan = plan_workers(cfg, self.engine_config.device,
-                            ray.cluster_resources().get("GPU", 0.0))
+        resources = ray.cluster_resources()
+        plan = plan_workers(cfg, self.engine_config.device, resources.get("GPU", 0.0),
+                            resources.get("CPU", 0.0))
         num_workers = plan.num_workers
         threads = cfg.torch_threads or max(1, (os.cpu_count() or 1) // num_workers)
         # max_task_retries 0: a call to a dead worker fails at once and the request moves on
@@ -129,7 +130,8 @@ class RayBackend:
                          for i in range(plan.num_prefill_workers)]
         self._decode = [_Slot(decode_cls.remote(self.engine_config, f"decode-{i}",
                                                 self.max_requests, threads,
-                                                publish=self.publish), f"decode-{i}")
+                                                publish=self.publish,
+                                                own_prefill=not self._prefill), f"decode-{i}")
                         for i in range(plan.num_decode_workers)]
         infos = ray.get([s.actor.ready.remote() for s in self._prefill + self._decode],
                         timeout=timeout_s)
@@ -293,16 +295,19 @@ class RayBackend:
         if progress.token_ids:
             request = replace(request, resume_ids=tuple(progress.token_ids),
                               resume_text_chars=progress.text_chars)
-        prefill = self._take(self._prefill, "prefill", request_id)
+        # Without prefill workers the decode worker prefills the prompt itself.
+        prefill = self._take(self._prefill, "prefill", request_id) if self._prefill else None
         try:
             decode = self._take(self._decode, "decode", request_id)
         except _WorkerLost:
-            with self._lock:
-                prefill.load -= 1
+            if prefill is not None:
+                with self._lock:
+                    prefill.load -= 1
             raise
-        released_prefill = False
+        released_prefill = prefill is None
         try:
-            kv_ref = prefill.actor.prefill.remote(request.context_ids)
+            kv_ref = prefill.actor.prefill.remote(request.context_ids) \
+                if prefill is not None else None
             with self._lock:
                 self._workers[request_id] = decode
                 cancelled = request_id in self._cancelled
@@ -334,8 +339,8 @@ class RayBackend:
         except RayActorError as exc:
             # Which worker: the error names its actor; a failed argument (the prefill's
             # result) surfaces through the decode call, so an unnamed one takes both out.
-            dead = [slot for slot in (prefill, decode) if slot.actor_id == exc.actor_id] \
-                or [prefill, decode]
+            workers = [slot for slot in (prefill, decode) if slot is not None]
+            dead = [slot for slot in workers if slot.actor_id == exc.actor_id] or workers
             for slot in dead:
                 self._mark_down(slot, type(exc).__name__)
             raise _WorkerLost(" and ".join(f"worker {slot.name} died" for slot in dead)) \

@@ -69,15 +69,18 @@ def on_granted_gpu(config: EngineConfig) -> EngineConfig:
     return config
 
 
-def decode_worker_profile(profile_path: str | None) -> str | None:
+def decode_worker_profile(profile_path: str | None, own_prefill: bool = False) -> str | None:
     """A decode worker's own forward profile beside `profile_path` (forward.json ->
-    forward.ray-decode.json): its steps run beside a prefill worker and the Ray processes on the
-    same cores (on 2 cores, a step of SmolLM2 at b = 1 profiled 18.5 ms there against 6.5 ms in
-    a server without Ray), so a profile of one deployment must not price the other's budgets."""
+    forward.ray-decode.json, or forward.ray-decode-own-prefill.json for a worker that prefills
+    its own prompts): its steps run beside a prefill worker and the Ray processes on the same
+    cores (on 2 cores, a step of SmolLM2 at b = 1 profiled 18.5 ms there against 6.5 ms in a
+    server without Ray), or alone on all of them, so a profile of one deployment must not price
+    another's budgets."""
     if not profile_path:
         return profile_path
     path = Path(profile_path)
-    return str(path.with_name(f"{path.stem}.ray-decode{path.suffix}"))
+    kind = "ray-decode-own-prefill" if own_prefill else "ray-decode"
+    return str(path.with_name(f"{path.stem}.{kind}{path.suffix}"))
 
 
 class PrefillWorker(_ModelWorker):
@@ -103,15 +106,18 @@ class PrefillWorker(_ModelWorker):
 
 
 class DecodeWorker(_ModelWorker):
-    """An engine loop (continuous batching with speculation) serving prefilled requests."""
+    """An engine loop (continuous batching with speculation) serving prefilled requests, or,
+    with `own_prefill` (a deployment without prefill workers), requests whose prompts it
+    prefills inside its decode steps."""
 
     def __init__(self, config: EngineConfig, name: str, max_requests: int,
-                 torch_threads: int = 1, metrics: bool = True, publish=None) -> None:
+                 torch_threads: int = 1, metrics: bool = True, publish=None,
+                 own_prefill: bool = False) -> None:
         from sssd.verifier.serving.assembly import build_engine_loop  # torch: workers only
 
         super().__init__(config, name, torch_threads)
         self.config = replace(self.config, profile_path=decode_worker_profile(
-            self.config.profile_path))
+            self.config.profile_path, own_prefill))
         # `publish`: completed conversations to the live datastore's stream.
         self.loop = off_main_thread(lambda: build_engine_loop(
             self.config, self.loaded, max_requests, publish=publish, worker=name,
@@ -125,8 +131,9 @@ class DecodeWorker(_ModelWorker):
                 "eos_token_ids": tuple(self.loaded.eos_token_ids)}
 
     def generate(self, request_id: str, request: GenerateRequest,
-                 prefilled: PrefilledPrompt) -> Iterator[StreamEvent]:
-        """Streams the request's events; the last one has totals or an error."""
+                 prefilled: PrefilledPrompt | None) -> Iterator[StreamEvent]:
+        """Streams the request's events; the last one has totals or an error. `prefilled`:
+        the prompt's KV from a prefill worker; None: the engine prefills it here."""
         with self._lock:  # held across submit, so a cancel either sees the request or is early
             if self._early_cancels.pop(request_id, 0) is None:
                 return
