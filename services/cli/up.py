@@ -10,7 +10,8 @@
     3. the drafter service (`sssd-drafter`, its own process) on the live datastore, picking up
        each new manifest without a restart;
     4. a local Ray cluster with its dashboard, a prefill worker and a decode worker (Ray
-       actors, each with its own copy of the model); with --no-ray the engine runs in the
+       actors, each with its own copy of the model; on fewer than 4 cores the decode worker
+       alone, prefilling its own prompts on every core); with --no-ray the engine runs in the
        API's process instead;
     5. the gRPC Generate API (health, reflection) on 127.0.0.1:50061 and the OpenAI-compatible
        HTTP API on 127.0.0.1:8000 (--http-port, --no-http).
@@ -141,8 +142,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "are the draft; a poor one, see docs/services/speculator.md)")
     stack.add_argument("--no-ray", action="store_true",
                        help="the engine in the API's process (prompts prefilled inside its "
-                       "decode steps) instead of Ray prefill and decode workers: on a machine "
-                       "with few cores disaggregation costs more than it wins")
+                       "decode steps) instead of Ray workers: no Ray processes, and no hop "
+                       "between the API and the engine for every streamed step")
     stack.add_argument("--no-live", action="store_true",
                        help="no live datastore: no Redis, no indexer, nothing published")
     stack.add_argument("--live-dir", default=None,

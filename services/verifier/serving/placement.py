@@ -12,9 +12,10 @@ On CPUs with no prefill count given, a cluster of fewer than MIN_CPUS_TO_DISAGGR
 no prefill worker: its decode worker prefills its own prompts inside its decode steps, as the
 single-process engine does, on every core. A prefill worker there would take cores that the
 decode steps need and give back only the overlap of prefill with decoding: on 2 cores, serving
-SmolLM2 at 8 concurrent requests, one prefill and one decode worker of one thread each gave
-about 370-400 output tokens/s with speculation against 530-580 for the engine alone on both
-cores (docs/benchmarks.md).
+SmolLM2 at 8 concurrent requests (ShareGPT, vLLM's client, two alternating pairs), the decode
+worker alone on both cores gave 439 and 409 output tokens/s with speculation against 417 and
+395 with a prefill worker and a decode worker of a core each, 295 and 306 against 288 and 290
+without speculation (docs/benchmarks.md). It also holds one copy of the model fewer.
 """
 
 from __future__ import annotations

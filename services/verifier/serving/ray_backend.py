@@ -9,6 +9,9 @@
 The frontend passes the prefill's ObjectRef, not the data, to a decode worker, so the KV goes
 from the prefill worker's store straight to the decode worker (on the same node it is read in
 place, zero-copy) and is copied once, into the decode worker's cache slot (ray_workers.py).
+Without prefill workers (`RayConfig.num_prefill_workers` 0, the default on a CPU cluster of
+fewer than 4 CPUs: placement.py) step 1 is skipped and the decode worker prefills the prompt
+inside its decode steps.
 
 `RayBackend` implements the `Backend` protocol (backend.py), so the gRPC frontend serves it
 like the single-process engine loop: the same `Admission` control, then each request goes to
