@@ -6,7 +6,6 @@ and the tokens already streamed, and goes on)."""
 
 import os
 import signal
-import threading
 
 import pytest
 
@@ -16,6 +15,8 @@ from sssd.drafter.service import create_server
 from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.serving.config import RayConfig
 from sssd.verifier.serving.frontend import FrontendConfig, start_frontend
+
+from support.streams import stream_concurrently, token_ids
 
 ray = pytest.importorskip("ray")  # installed by scripts/setup.sh (the serve extra)
 
@@ -49,24 +50,11 @@ def client(stack):
         yield client
 
 
-def token_ids(chunks):
-    return [t for chunk in chunks for t in chunk.token_ids]
-
-
 def test_decode_workers_that_prefill_answer_as_plain_decoding(client, stack, mt_bench_prompts,
                                                               greedy_references):
     assert stack.backend._prefill == [] and len(stack.backend._decode) == 2
     indices = (0, 3, 5)  # concurrent, mixed prompt lengths
-    results = {}
-
-    def run(index):
-        results[index] = list(client.stream(mt_bench_prompts[index], max_tokens=MAX_TOKENS))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in indices]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results = stream_concurrently(client, {i: mt_bench_prompts[i] for i in indices}, MAX_TOKENS)
     for index in indices:
         assert token_ids(results[index]) == greedy_references[index][:MAX_TOKENS]
         totals = results[index][-1].totals

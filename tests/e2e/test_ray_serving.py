@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from dataclasses import replace
@@ -26,6 +25,8 @@ from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.serving.config import RayConfig
 from sssd.verifier.serving.frontend import FrontendConfig, start_frontend
 from sssd.verifier.serving.ray_auth import configure_auth
+
+from support.streams import stream_concurrently, token_ids
 
 ray = pytest.importorskip("ray")  # installed by scripts/setup.sh (the serve extra)
 
@@ -87,10 +88,6 @@ def client(stack):
         yield client
 
 
-def token_ids(chunks):
-    return [t for chunk in chunks for t in chunk.token_ids]
-
-
 def decode_requests(stack):
     """Requests held by the decode workers, all of them."""
     return sum(ray.get([slot.actor.num_requests.remote() for slot in stack.backend._decode]))
@@ -99,16 +96,7 @@ def decode_requests(stack):
 def test_prefill_decode_output_equals_single_worker(client, engine_factory, mt_bench_prompts,
                                                     greedy_references):
     indices = (0, 3, 5)  # mixed prompt lengths, decoded concurrently in one batch
-    results = {}
-
-    def run(index):
-        results[index] = list(client.stream(mt_bench_prompts[index], max_tokens=MAX_TOKENS))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in indices]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results = stream_concurrently(client, {i: mt_bench_prompts[i] for i in indices}, MAX_TOKENS)
     engine, drafter = engine_factory(len(indices))  # the single-process engine
     try:
         single = engine.generate([mt_bench_prompts[i] for i in indices], MAX_TOKENS)
