@@ -217,25 +217,23 @@ def memory_bandwidth() -> float:
     return num_bytes / best
 
 
-def prompt_ids(model: str | None, set_name: str, limit: int) -> list[list[int]]:
+def prompt_ids(tokenizer, set_name: str, limit: int) -> list[list[int]]:
     sys.path.insert(0, str(ROOT / "bench"))
     from prompt_sets import prompt_texts
 
     from sssd.common.data.corpus import prompt_token_ids
-    from sssd.common.model.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(model)
     return [prompt_token_ids(tokenizer, text) for text in prompt_texts(set_name, limit)]
 
 
-def check_tokenizer(datastore: Path, model: str | None) -> None:
+def check_tokenizer(datastore: Path, tokenizer) -> None:
     """Exits when the datastore was built with another tokenizer than the model's: the
     drafters would refuse it, and the speculative rows would draft without it."""
     from sssd.cli.datastores import check_datastore
-    from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint
+    from sssd.common.model.tokenizer import tokenizer_fingerprint
 
     try:
-        check_datastore(datastore, tokenizer_fingerprint(load_tokenizer(model)))
+        check_datastore(datastore, tokenizer_fingerprint(tokenizer))
     except ValueError as error:
         raise SystemExit(str(error)) from None
 
@@ -310,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     from vllm_peers import free_port, newest, start_drafter
 
+    from sssd.common.model.tokenizer import load_tokenizer
     from sssd.vllm.export_model import export_model
 
     bandwidth = memory_bandwidth()
@@ -327,7 +326,8 @@ def main(argv: list[str] | None = None) -> None:
         for model_name in args.models.split(","):
             gguf = model_file(model_name)
             prompts_file = work / f"{model_name}.json"
-            prompts_file.write_text(json.dumps(prompt_ids(gguf, args.set, args.prompts)))
+            tokenizer = load_tokenizer(gguf)
+            prompts_file.write_text(json.dumps(prompt_ids(tokenizer, args.set, args.prompts)))
             vllm_model = export_model(work / f"model-{model_name}", gguf) if wants_vllm \
                 else None
             model_speculative = speculative if (model_name == "smollm2" or args.datastore) \
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit("no datastore for the speculative systems: pass --datastore "
                                  "or run sssd up once (it builds var/demo-datastore)")
             if model_speculative:
-                check_tokenizer(Path(datastore), gguf)
+                check_tokenizer(Path(datastore), tokenizer)
             if "vllm-sssd" in model_speculative and drafter is None:
                 port = free_port()
                 drafter = (start_drafter(datastore, port), f"127.0.0.1:{port}")
