@@ -76,11 +76,15 @@ class EngineLoop:
         return self
 
     def submit(self, request: GenerateRequest, request_id: str | None = None,
-               prefilled: PrefilledPrompt | None = None) -> RequestHandle:
-        """Queues a request; `prefilled` is its prompt's KV cache from a prefill worker."""
+               prefilled: PrefilledPrompt | None = None, events=None) -> RequestHandle:
+        """Queues a request; `prefilled` is its prompt's KV cache from a prefill worker.
+        `events`: where its events go instead of the handle's own queue (anything with a
+        `put(event)`; a Ray decode worker batches its requests' events this way)."""
         if self._stopped:
             raise Draining("the server is shutting down")
         handle = self.admission.admit(request, request_id)
+        if events is not None:
+            handle.events = events
         with self._cond:
             # A resumed answer's text up to resume_text_chars is with the client already.
             stream = _Stream(handle, request, sent_text=request.resume_text_chars)

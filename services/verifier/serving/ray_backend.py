@@ -2,7 +2,9 @@
 
     frontend (gRPC, this process)
       |  1. prefill.prefill(prompt_ids)  -> ObjectRef[PrefilledPrompt]   (prefill worker)
-      |  2. decode.generate(id, request, that ref) -> stream of StreamEvent  (decode worker)
+      |  2. decode.submit(id, request, that ref, subscriber)                (decode worker)
+      |  3. decode.events(subscriber): one stream of event batches per decode worker, read by
+      |     one thread here, which hands each event to its request's queue
       v
     the client's stream
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import secrets
 import threading
 import time
@@ -49,7 +52,7 @@ from sssd.verifier.serving.config import RayConfig
 from sssd.verifier.serving.errors import ErrorKind, StreamError
 from sssd.verifier.serving.placement import plan_workers
 from sssd.verifier.serving.ray_auth import init_ray
-from sssd.verifier.serving.ray_workers import DecodeWorker, PrefillWorker
+from sssd.verifier.serving.ray_workers import CANCELLED_BEFORE_SUBMIT, DecodeWorker, PrefillWorker
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,10 @@ class _Slot:
 
 class _WorkerLost(Exception):
     """A worker died (or its result was lost) during one attempt at a request."""
+
+
+# Put in a request's queue by the events reader when its decode worker died.
+_LOST = object()
 
 
 @dataclass
@@ -94,6 +101,8 @@ class RayBackend:
         self._prefill: list[_Slot] = []
         self._decode: list[_Slot] = []
         self._workers: dict[str, _Slot] = {}  # request id -> its decode worker
+        self._inboxes: dict[str, queue.Queue] = {}  # request id -> its events from the worker
+        self._subscriber = secrets.token_hex(8)  # this frontend, to the decode workers
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # a worker came back up
@@ -117,11 +126,18 @@ class RayBackend:
         # (failover) instead of waiting for the restart.
         options = dict(num_cpus=cfg.cpus_per_worker, num_gpus=plan.gpus_per_worker,
                        max_restarts=cfg.max_worker_restarts, max_task_retries=0)
+        # Ray sets an actor's OMP_NUM_THREADS to its CPU reservation (1), and every thread an
+        # actor starts begins with that many OpenMP threads: torch.set_num_threads fixes only
+        # torch's own operations and the thread that called it, so the engine's kernels
+        # (OpenMP in C++) ran on one core in the decode step thread. On 2 cores that made the
+        # Ray decode worker's step 15 % slower than the same engine in one process.
+        env_vars = {"OMP_NUM_THREADS": str(threads)}
         if self._owns_ray and threads * num_workers > (os.cpu_count() or 1):
             # The workers share this machine's cores: OpenMP workers that spin between
             # operations (docs/operations.md, "Threads and OpenMP") would take them from the
             # other worker's, so they sleep instead.
-            options["runtime_env"] = {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
+            env_vars["OMP_WAIT_POLICY"] = "PASSIVE"
+        options["runtime_env"] = {"env_vars": env_vars}
         prefill_cls = ray.remote(PrefillWorker).options(**options, resources=_pin(
             cfg.prefill_resource))
         # Threads: one per open stream, plus room for cancel and ready calls.
@@ -134,7 +150,9 @@ class RayBackend:
         self._decode = [_Slot(decode_cls.remote(self.engine_config, f"decode-{i}",
                                                 self.max_requests, threads,
                                                 publish=self.publish,
-                                                own_prefill=not self._prefill), f"decode-{i}")
+                                                own_prefill=not self._prefill,
+                                                stream_interval_s=cfg.stream_interval_ms / 1e3),
+                              f"decode-{i}")
                         for i in range(plan.num_decode_workers)]
         infos = ray.get([s.actor.ready.remote() for s in self._prefill + self._decode],
                         timeout=timeout_s)
@@ -148,6 +166,9 @@ class RayBackend:
                                            sources)
         self._eos_token_ids = frozenset(infos[len(self._prefill)]["eos_token_ids"])
         self.admission = Admission(self.max_requests, limits)
+        for slot in self._decode:
+            threading.Thread(target=self._read_events, args=(slot,),
+                             name=f"events-{slot.name}", daemon=True).start()
         logger.info("Ray workers ready: %s", ", ".join(
             f"{i['name']} (pid {i['pid']}, {i['device']}, {i['torch_threads']} torch threads)"
             for i in infos))
@@ -311,18 +332,31 @@ class RayBackend:
         try:
             kv_ref = prefill.actor.prefill.remote(request.context_ids) \
                 if prefill is not None else None
+            inbox: queue.Queue = queue.Queue()
             with self._lock:
                 self._workers[request_id] = decode
+                self._inboxes[request_id] = inbox
                 cancelled = request_id in self._cancelled
             if cancelled:
                 return
-            stream = decode.actor.generate.remote(request_id, request, kv_ref)
-            for ref in stream:
-                event: StreamEvent = ray.get(ref)
-                if not released_prefill:  # the prefill is done once the stream has started
-                    released_prefill = True
-                    with self._lock:
-                        prefill.load -= 1
+            error = ray.get(decode.actor.submit.remote(request_id, request, kv_ref,
+                                                       self._subscriber))
+            if not released_prefill:  # the worker has the prefilled KV
+                released_prefill = True
+                with self._lock:
+                    prefill.load -= 1
+            if error == CANCELLED_BEFORE_SUBMIT:
+                return
+            if error is not None:
+                handle.events.put(StreamEvent([], "", error=error))
+                return
+            while True:
+                event = inbox.get()
+                if event is _LOST:
+                    # Dead, or alive with a broken stream: then the request stops there.
+                    decode.actor.cancel.remote(request_id)
+                    self._mark_down(decode, "its events stream failed")
+                    raise _WorkerLost(f"worker {decode.name} died")
                 now = time.perf_counter()
                 if event.token_ids and handle.first_token_at is None:
                     handle.first_token_at = now
@@ -336,9 +370,6 @@ class RayBackend:
                 handle.events.put(event)
                 if event.totals is not None or event.error is not None:
                     return
-            if request_id not in self._cancelled:
-                handle.events.put(StreamEvent([], "", error=StreamError(
-                    ErrorKind.INTERNAL, "the decode worker ended the stream without a result")))
         except RayActorError as exc:
             # Which worker: the error names its actor; a failed argument (the prefill's
             # result) surfaces through the decode call, so an unnamed one takes both out.
@@ -352,9 +383,39 @@ class RayBackend:
             raise _WorkerLost(f"the prefilled KV was lost ({type(exc).__name__})") from None
         finally:
             with self._lock:
+                self._inboxes.pop(request_id, None)
                 decode.load -= 1
                 if not released_prefill:
                     prefill.load -= 1
+
+    def _read_events(self, slot: _Slot) -> None:
+        """Reads one decode worker's stream of event batches for as long as this backend runs
+        and hands each event to its request's queue. When the worker dies, its requests get
+        _LOST (they move on to another worker); once it is back, the stream is opened again."""
+        while not self._closed.is_set():
+            with self._changed:
+                while not slot.up and not self._closed.is_set():
+                    self._changed.wait(1.0)
+            if self._closed.is_set():
+                return
+            try:
+                for ref in slot.actor.events.remote(self._subscriber):
+                    for request_id, event in ray.get(ref):
+                        inbox = self._inboxes.get(request_id)
+                        if inbox is not None:  # else cancelled and forgotten here
+                            inbox.put(event)
+            except RayActorError as exc:
+                self._mark_down(slot, type(exc).__name__)
+            except Exception as exc:  # noqa: BLE001 - must not end the reader; retried
+                logger.warning("events stream of worker %s failed: %s", slot.name, exc)
+            if self._closed.is_set():
+                return
+            with self._lock:  # its requests' events are gone: they go on elsewhere
+                lost = [self._inboxes[request_id] for request_id, worker in self._workers.items()
+                        if worker is slot and request_id in self._inboxes]
+            for inbox in lost:
+                inbox.put(_LOST)
+            self._closed.wait(0.5)
 
     def _ended_before(self, handle: RequestHandle, request: GenerateRequest,
                       progress: _Progress) -> bool:
