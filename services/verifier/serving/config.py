@@ -70,10 +70,6 @@ class RayConfig:
         3, "times one request moves on to another worker after a worker died; then INTERNAL")
     failover_wait_s: float = option(
         120.0, "how long a request waits for a live worker when all of a kind are down")
-    stream_interval_ms: float = option(
-        0.0, "a decode worker sends its requests' tokens to the frontend at most this often "
-        "(a request's first token and its end at once); 0: after every step. On 2 cores "
-        "serving SmolLM2, 20 ms measured no faster than 0")
     object_store_bytes: int = 1 << 30  # a local cluster's object store (holds KV in flight)
     metrics_report_interval_ms: int = 2000
 
@@ -88,9 +84,6 @@ class RayConfig:
         if self.max_worker_restarts < -1 or self.max_failovers < 0 or self.failover_wait_s < 0:
             raise ValueError("need max_worker_restarts >= -1, max_failovers >= 0 and "
                              "failover_wait_s >= 0")
-        if not 0 <= self.stream_interval_ms <= 1000:
-            raise ValueError(f"stream_interval_ms must be in [0, 1000], got "
-                             f"{self.stream_interval_ms}")
         if self.auth not in AUTH_MODES:
             raise ValueError(f"auth must be one of {AUTH_MODES}, got {self.auth!r}")
         if self.auth == "disabled" and self.address is None and not is_loopback(self.host):

@@ -127,10 +127,10 @@ class RayBackend:
         options = dict(num_cpus=cfg.cpus_per_worker, num_gpus=plan.gpus_per_worker,
                        max_restarts=cfg.max_worker_restarts, max_task_retries=0)
         # Ray sets an actor's OMP_NUM_THREADS to its CPU reservation (1), and every thread an
-        # actor starts begins with that many OpenMP threads: torch.set_num_threads fixes only
-        # torch's own operations and the thread that called it, so the engine's kernels
-        # (OpenMP in C++) ran on one core in the decode step thread. On 2 cores that made the
-        # Ray decode worker's step 15 % slower than the same engine in one process.
+        # actor starts begins with that many OpenMP threads (probed: 1 in a new thread of an
+        # actor, 2 once torch ran a parallel operation there): torch.set_num_threads fixes
+        # only torch's own operations and the thread that called it, not the engine's kernels
+        # (OpenMP in C++) in the decode step thread before torch parallelised anything there.
         env_vars = {"OMP_NUM_THREADS": str(threads)}
         if self._owns_ray and threads * num_workers > (os.cpu_count() or 1):
             # The workers share this machine's cores: OpenMP workers that spin between
@@ -140,7 +140,8 @@ class RayBackend:
         options["runtime_env"] = {"env_vars": env_vars}
         prefill_cls = ray.remote(PrefillWorker).options(**options, resources=_pin(
             cfg.prefill_resource))
-        # Threads: one per open stream, plus room for cancel and ready calls.
+        # Threads: one per submit call (each waits for its prefilled KV) and per events
+        # stream, plus room for cancel and ready calls.
         decode_cls = ray.remote(DecodeWorker).options(
             max_concurrency=self.max_requests + 8, **options,
             resources=_pin(cfg.decode_resource))
@@ -150,8 +151,7 @@ class RayBackend:
         self._decode = [_Slot(decode_cls.remote(self.engine_config, f"decode-{i}",
                                                 self.max_requests, threads,
                                                 publish=self.publish,
-                                                own_prefill=not self._prefill,
-                                                stream_interval_s=cfg.stream_interval_ms / 1e3),
+                                                own_prefill=not self._prefill),
                               f"decode-{i}")
                         for i in range(plan.num_decode_workers)]
         infos = ray.get([s.actor.ready.remote() for s in self._prefill + self._decode],
@@ -352,10 +352,9 @@ class RayBackend:
                 return
             while True:
                 event = inbox.get()
-                if event is _LOST:
+                if event is _LOST:  # the reader marked the worker down
                     # Dead, or alive with a broken stream: then the request stops there.
                     decode.actor.cancel.remote(request_id)
-                    self._mark_down(decode, "its events stream failed")
                     raise _WorkerLost(f"worker {decode.name} died")
                 now = time.perf_counter()
                 if event.token_ids and handle.first_token_at is None:
@@ -404,12 +403,15 @@ class RayBackend:
                         inbox = self._inboxes.get(request_id)
                         if inbox is not None:  # else cancelled and forgotten here
                             inbox.put(event)
+                reason = "its events stream ended"
             except RayActorError as exc:
-                self._mark_down(slot, type(exc).__name__)
+                reason = type(exc).__name__
             except Exception as exc:  # noqa: BLE001 - must not end the reader; retried
-                logger.warning("events stream of worker %s failed: %s", slot.name, exc)
+                reason = f"its events stream failed: {exc}"
             if self._closed.is_set():
                 return
+            # Out of routing until its `ready` answers again; then the stream is reopened.
+            self._mark_down(slot, reason)
             with self._lock:  # its requests' events are gone: they go on elsewhere
                 lost = [self._inboxes[request_id] for request_id, worker in self._workers.items()
                         if worker is slot and request_id in self._inboxes]

@@ -5,13 +5,12 @@ prompt's keys and values as numpy arrays (engine/handoff.py), which Ray puts in 
 store. A decode worker is an `EngineLoop` (continuous batching with speculation) inside a
 threaded actor. `submit` hands it a request; `events` is a Ray streaming generator, one per
 frontend (its subscriber id), that yields the events of all that frontend's requests in
-batches, one per engine step (or, with a `stream_interval_s`, at most one per interval, except
-that a request's first event and its last go out at once). Every batch is a Ray object, a
-thread wake-up in both processes and a message, and the work of sending it takes the cores
-from the decode step's threads: a stream per request, as before, sent one per request per step,
-and on 2 cores serving SmolLM2 at 8 concurrent requests the one stream per worker serves about
-a tenth more tokens per second (docs/services/verifier.md). `RayBackend` (ray_backend.py)
-creates the actors and routes requests.
+batches, one per engine step. Every batch is a Ray object, a thread wake-up in both processes
+and a message, and the work of sending it takes the cores from the decode step's threads: a
+stream per request, as before, sent one per request per step, and on 2 cores serving SmolLM2 at
+8 concurrent requests one stream per worker serves about a tenth more tokens per second
+(docs/services/verifier.md). `RayBackend` (ray_backend.py) creates the actors and routes
+requests.
 
 The classes are plain Python: `ray.remote(...)` turns them into actors where they are created,
 so this module imports Ray nowhere.
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -123,7 +121,7 @@ class DecodeWorker(_ModelWorker):
 
     def __init__(self, config: EngineConfig, name: str, max_requests: int,
                  torch_threads: int = 1, metrics: bool = True, publish=None,
-                 own_prefill: bool = False, stream_interval_s: float = 0.0) -> None:
+                 own_prefill: bool = False) -> None:
         from sssd.verifier.serving.assembly import build_engine_loop  # torch: workers only
 
         super().__init__(config, name, torch_threads)
@@ -133,7 +131,6 @@ class DecodeWorker(_ModelWorker):
         self.loop = off_main_thread(lambda: build_engine_loop(
             self.config, self.loaded, max_requests, publish=publish, worker=name,
             ray_metrics=metrics))
-        self.stream_interval_s = stream_interval_s
         # Cancels that arrived before their submit call (both race on the actor's threads).
         self._early_cancels: OrderedDict[str, None] = OrderedDict()
         self._outboxes: dict[str, Outbox] = {}  # subscriber id -> its requests' events
@@ -168,13 +165,10 @@ class DecodeWorker(_ModelWorker):
         """The events of `subscriber`'s requests as (request id, event) batches, in the order
         the loop produced them, until the worker closes."""
         outbox = self._outbox(subscriber)
-        sent_at = 0.0
         while True:
             closing = self._closing.is_set()  # then the loop has ended every request
-            batch = outbox.take(0.0 if closing else EVENTS_POLL_S,
-                                not_before=sent_at + self.stream_interval_s)
+            batch = outbox.take(0.0 if closing else EVENTS_POLL_S)
             if batch:
-                sent_at = time.monotonic()
                 yield batch
             if closing:
                 return
@@ -208,42 +202,24 @@ CANCELLED_BEFORE_SUBMIT = StreamError(ErrorKind.STOPPED, "cancelled before it st
 
 
 class Outbox:
-    """One subscriber's events, collected until its `events` stream takes them. An event that
-    starts or ends a request is urgent: it ends the wait for the stream interval."""
+    """One subscriber's events, collected until its `events` stream takes them."""
 
     def __init__(self) -> None:
         self._items: list[tuple[str, StreamEvent]] = []
-        self._started: set[str] = set()  # requests whose first event was put
-        self._urgent = False
         self._cond = threading.Condition()
 
     def put(self, request_id: str, event: StreamEvent) -> None:
         with self._cond:
             self._items.append((request_id, event))
-            urgent = request_id not in self._started
-            if event.totals is not None or event.error is not None:
-                self._started.discard(request_id)
-                urgent = True
-            else:
-                self._started.add(request_id)
-            # Wakes the stream only when its wait can end: a first event, or an urgent one.
-            if len(self._items) == 1 or (urgent and not self._urgent):
+            if len(self._items) == 1:  # the stream waits only while there is nothing
                 self._cond.notify()
-            self._urgent = self._urgent or urgent
 
-    def take(self, timeout: float, not_before: float = 0.0) -> list[tuple[str, StreamEvent]]:
-        """Everything collected, after waiting up to `timeout` s for a first event and then
-        until time.monotonic() reaches `not_before` unless an urgent event comes first."""
+    def take(self, timeout: float) -> list[tuple[str, StreamEvent]]:
+        """Everything collected so far, after waiting up to `timeout` s for a first event."""
         with self._cond:
             if not self._items:
                 self._cond.wait(timeout)
-            while self._items and not self._urgent:
-                left = not_before - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
             items, self._items = self._items, []
-            self._urgent = False
         return items
 
     def for_request(self, request_id: str) -> "_RequestEvents":

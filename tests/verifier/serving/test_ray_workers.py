@@ -1,14 +1,10 @@
 """What a Ray decode worker keeps apart from a server without Ray."""
 
-import threading
 import time
-
-import pytest
 
 from sssd.common.rpc.totals import Totals
 from sssd.verifier.factory import acceptance_path
 from sssd.verifier.serving.backend import StreamEvent
-from sssd.verifier.serving.config import RayConfig
 from sssd.verifier.serving.ray_workers import Outbox, decode_worker_profile
 
 
@@ -47,37 +43,3 @@ def test_an_outbox_batches_the_events_of_all_its_requests_in_order():
     start = time.monotonic()
     assert outbox.take(0.05) == []  # nothing left: waits the timeout
     assert time.monotonic() - start >= 0.04
-
-
-def test_the_stream_interval_holds_back_only_the_middle_of_an_answer():
-    """A request's first event and its last go out at once; the tokens in between wait for
-    the interval, so that a worker sends one batch per interval, not one per step."""
-    outbox = Outbox()
-    events = outbox.for_request("r")
-    events.put(_event((1,)))  # the first: urgent
-    start = time.monotonic()
-    assert len(outbox.take(1.0, not_before=start + 5.0)) == 1
-    assert time.monotonic() - start < 1.0
-    events.put(_event((2,)))
-    events.put(_event((3,)))
-    start = time.monotonic()
-    assert [e.token_ids for _, e in outbox.take(1.0, not_before=start + 0.2)] == [[2], [3]]
-    assert time.monotonic() - start >= 0.15  # held until the interval was over
-    events.put(_event((4,)))
-    # The end arrives while the middle waits: both go out at once.
-    threading.Timer(0.05, events.put, args=(_event((), done=True),)).start()
-    start = time.monotonic()
-    batch = outbox.take(1.0, not_before=start + 5.0)
-    assert [e.token_ids for _, e in batch] == [[4], []] and batch[-1][1].totals is not None
-    assert time.monotonic() - start < 2.0
-    # A new request's first event is urgent again.
-    outbox.for_request("s").put(_event((5,)))
-    start = time.monotonic()
-    assert outbox.take(1.0, not_before=start + 5.0) and time.monotonic() - start < 1.0
-
-
-def test_the_stream_interval_is_checked():
-    assert RayConfig(stream_interval_ms=0).stream_interval_ms == 0
-    for bad in (-1, 5000):
-        with pytest.raises(ValueError, match="stream_interval_ms"):
-            RayConfig(stream_interval_ms=bad)
