@@ -12,6 +12,8 @@ with the SSSD drafter (linear drafts).
 Systems, each run in a fresh process, one at a time, taking turns cell by cell (model, dtype,
 batch size), so that all of them see the same machine:
 - engine: this project's engine without speculation (model_impl auto: its own forward pass);
+- engine-4k: the same with its packed weights on ordinary 4 KiB pages (SSSD_HUGE_PAGES=0),
+  not in one buffer of 2 MiB pages: the engine before it;
 - engine-avx512: the same with its AVX-512 panels (sssd._kernels.linear_bf16) where the engine
   would multiply them on the AMX tile unit (bfloat16 on CPUs with AMX): the engine before it;
 - engine-onednn: the same with oneDNN's matrix products where the engine would use its own
@@ -57,7 +59,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 RESULT = "engine-speed-result: "
-PLAIN = ("engine", "engine-avx512", "engine-onednn", "engine-transformers", "generate", "vllm")
+PLAIN = ("engine", "engine-4k", "engine-avx512", "engine-onednn", "engine-transformers",
+         "generate", "vllm")
 SPECULATIVE = ("engine-sssd", "vllm-sssd")
 PROPOSER = "sssd.vllm.proposer.VllmDrafterProposer"
 MODEL_NAMES = {"smollm2": None}  # None: the default model; others: sssd-models names
@@ -88,6 +91,8 @@ def engine_worker(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
         decoder._panels_usable = lambda dtype, device: False
     if args.system == "engine-avx512":  # the AVX-512 panels, as before the AMX products
         decoder._amx_usable = lambda dtype, device: False
+    if args.system == "engine-4k":  # the weights on ordinary pages, as before huge_pages.py
+        os.environ["SSSD_HUGE_PAGES"] = "0"
     loaded = load_causal_lm(args.model_file, args.dtype)
     speculative = args.system == "engine-sssd"
     config = EngineConfig(
@@ -199,12 +204,19 @@ def memory_bandwidth() -> float:
     """Bytes per second that this machine's cores read: the best of several passes over 2 GiB,
     each read once as the matrix products read their weights (sssd._kernels.read_bytes: both
     threads, 64-byte vectors, prefetched) on CPUs with AVX-512, else by a tensor sum (which
-    reads slower than the products can: the floor is then too low)."""
+    reads slower than the products can: the floor is then too low). The buffer is on 2 MiB
+    pages, as the engine's weights are (verifier/engine/huge_pages.py): a floor read on 4 KiB
+    pages pays TLB misses that the engine's steps no longer pay, and steps came out under it."""
+    from types import SimpleNamespace
+
     import torch
 
     from sssd import _kernels
+    from sssd.verifier.engine.huge_pages import move_into_huge_pages
 
-    buffer = torch.ones(512 * 1024 * 1024, dtype=torch.float32)
+    holder = SimpleNamespace(weight=torch.ones(512 * 1024 * 1024, dtype=torch.float32))
+    move_into_huge_pages([holder])
+    buffer = holder.weight
     num_bytes = buffer.numel() * 4
     best = float("inf")
     for _ in range(5):
