@@ -8,7 +8,9 @@
        (`sssd-indexer run`), which turns the conversations the decode workers publish into new
        shards of the live datastore;
     3. the drafter service (`sssd-drafter`, its own process) on the live datastore, picking up
-       each new manifest without a restart;
+       each new manifest without a restart; on a machine of fewer than 4 cores with one engine
+       (and no speculator) the engine drafts in its own process instead, from the same live
+       datastore (`drafter_placement`; `--drafter-service` keeps the service);
     4. a local Ray cluster with its dashboard, a prefill worker and a decode worker (Ray
        actors, each with its own copy of the model; on fewer than 4 cores the decode worker
        alone, prefilling its own prompts on every core); with --no-ray the engine runs in the
@@ -117,13 +119,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stack = parser.add_argument_group("the rest of the stack")
     stack.add_argument("--drafter-port", type=int, default=DRAFTER_PORT,
                        help=f"the drafter service (default {DRAFTER_PORT})")
-    stack.add_argument("--drafter-in-process", action="store_true",
+    where = stack.add_mutually_exclusive_group()
+    where.add_argument("--drafter-in-process", dest="drafter_in_process", action="store_const",
+                       const=True, default=None,
                        help="draft with the SSSD core inside each engine process (the same "
                        "datastore, new live shards picked up the same way) instead of the "
-                       "drafter service: saves a gRPC round trip per step (measured serving "
-                       "SmolLM2 on 2 cores: 1.9 against 0.6 ms a step, whose plain forward "
-                       "is 7.7 ms), at the cost of a drafter "
-                       "per engine and none that other servers share")
+                       "drafter service: saves the gRPC round trip of every step, at the cost "
+                       "of a drafter per engine and none that other servers share (default "
+                       f"on fewer than {MIN_CPUS_TO_DISAGGREGATE} cores with one engine and "
+                       "no --speculator)")
+    where.add_argument("--drafter-service", dest="drafter_in_process", action="store_const",
+                       const=False,
+                       help="draft with the drafter service (its own process, shared by every "
+                       "engine) even where the engine would draft in its own process")
     add_datastore_arguments(stack)
     stack.add_argument("--speculator", action="store_true",
                        help="draft with the SSD speculator service (mode ssd; the SSSD drafter "
@@ -190,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
         tls_from_args(args)
         ray_config = from_args(RayConfig, args, exclude=("address",), host=args.host,
                                token_file="var/ray/auth_token")
+        args.drafter_in_process, drafter_reason = drafter_placement(
+            args, ray_config, ray_config.num_cpus or os.cpu_count() or 1)
         speculator_target = f"{args.host}:{args.speculator_port}" if args.speculator else None
         engine = from_args(EngineConfig, args, exclude=ENGINE_EXCLUDED,
                            mode="ssd" if args.speculator else "sssd",
@@ -266,8 +276,8 @@ def run(args: argparse.Namespace) -> int:
         # The engine's own drafter loads the datastore (the live one: it follows the manifest).
         engine = replace(engine, datastore_dir=str(Path(datastore).absolute()))
         frontend_values["engine"] = engine
-        print(f"[2/5] drafting in the engine's process from {datastore} "
-              "(--drafter-in-process)", flush=True)
+        print(f"[2/5] drafting in the engine's process from {datastore} ({drafter_reason})",
+              flush=True)
     else:
         components.append(ChildService("drafter service", lambda: start_drafter(
             datastore, vocab, fingerprint, args.host, args.drafter_port), monitor,
@@ -311,6 +321,28 @@ def run(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def drafter_placement(args: argparse.Namespace, ray_config: RayConfig,
+                      cpus: int) -> tuple[bool, str]:
+    """Whether the engine drafts in its own process (else through the drafter service), and
+    why. Unless a flag says, it does on a machine of fewer than MIN_CPUS_TO_DISAGGREGATE cores
+    that runs one engine (no Ray, or one decode worker) and no speculator. There the service
+    has no other engine to share its drafts with, and its round trip is the dearest part of a
+    step: on 2 cores, serving SmolLM2 to 8 concurrent streams through Ray, a draft took 3.2 ms
+    a step through the service against 1.5 ms in process (the decode worker's OpenMP thread
+    spins on one core after the forward pass, and the drafter, the API's process and Ray
+    share the other), and the stack gave 536 and 556 output tokens/s against 596 and 596,
+    alternating (docs/benchmarks.md). With a speculator the SSSD drafter is its fallback
+    service, as it has been measured."""
+    if args.drafter_in_process is not None:
+        return args.drafter_in_process, \
+            "--drafter-in-process" if args.drafter_in_process else "--drafter-service"
+    engines = 1 if args.no_ray else (ray_config.num_decode_workers or 1)
+    if cpus < MIN_CPUS_TO_DISAGGREGATE and engines == 1 and not args.speculator:
+        return True, (f"one engine on {cpus} cores, fewer than {MIN_CPUS_TO_DISAGGREGATE}: "
+                      "no round trip a step; --drafter-service for the service")
+    return False, "--drafter-service"
 
 
 def stack_ports(args: argparse.Namespace) -> dict[str, int]:

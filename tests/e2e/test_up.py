@@ -90,8 +90,8 @@ def test_sssd_up_names_a_taken_port_before_starting_anything(tmp_path, free_port
         taken = other.getsockname()[1]
         drafter_port = free_port()
         done = subprocess.run(
-            [str(sssd), "up", "--once", "--metrics-port", str(taken), "--drafter-port",
-             str(drafter_port), "--indexer-port", str(drafter_port)],
+            [str(sssd), "up", "--once", "--metrics-port", str(taken), "--drafter-service",
+             "--drafter-port", str(drafter_port), "--indexer-port", str(drafter_port)],
             cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert f"port {taken} (--metrics-port) is in use by another process; pick another with " \
@@ -102,19 +102,22 @@ def test_sssd_up_names_a_taken_port_before_starting_anything(tmp_path, free_port
 
 
 def test_sssd_up_no_ray_serves_from_its_own_process(tmp_path, warm_datastore, free_port):
-    """`--no-ray`: the engine in the API's process (no Ray cluster), the same check."""
+    """`--no-ray --drafter-service`: the engine in the API's process (no Ray cluster),
+    drafting through the drafter service, the same check."""
     sssd = Path(sys.executable).with_name("sssd")
     http_port = free_port()
     done = subprocess.run(
-        [str(sssd), "up", "--once", "--no-ray", "--no-live", "--datastore", warm_datastore,
-         "--port", str(free_port()), "--http-port", str(http_port), "--drafter-port",
-         str(free_port()), "--max-batch-size", "2", "--max-len", "512", "--max-tokens", "12",
+        [str(sssd), "up", "--once", "--no-ray", "--no-live", "--drafter-service", "--datastore",
+         warm_datastore, "--port", str(free_port()), "--http-port", str(http_port),
+         "--drafter-port", str(free_port()), "--max-batch-size", "2", "--max-len", "512",
+         "--max-tokens", "12",
          "--prompt", "Name a colour.", "--check-rounds", "1"],
         cwd=tmp_path, env={k: v for k, v in os.environ.items()
                            if not k.startswith(("RAY_", "SSSD_"))},
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
+    assert "[2/5] drafter service on 127.0.0.1:" in out
     assert "[3/5] loading the model into this process (--no-ray)" in out
     assert "the engine runs in this process (--no-ray)" in out and "Ray dashboard" not in out
     assert f"OpenAI-compatible HTTP API on http://127.0.0.1:{http_port}/v1" in out
@@ -125,16 +128,18 @@ def test_sssd_up_no_ray_serves_from_its_own_process(tmp_path, warm_datastore, fr
 
 def test_sssd_up_drafter_in_process_drafts_from_the_live_datastore(tmp_path, warm_datastore,
                                                                    free_port):
-    """`--no-ray --drafter-in-process`: one process serves and drafts (no drafter service, its
-    port left alone), the live datastore still grows from the answers, and the exact check
-    drafts from the same datastore."""
+    """The default on this machine (fewer than 4 cores; stated, so that a bigger machine runs it
+    too): the Ray decode worker drafts in its own process (no drafter service, its port left
+    alone), the live datastore still grows from the answers, and the exact check drafts from
+    the same datastore."""
     sssd = Path(sys.executable).with_name("sssd")
     with socket.socket() as other:  # the drafter's port is not needed: another server holds it
         other.bind(("127.0.0.1", 0))
         other.listen()
         done = subprocess.run(
-            [str(sssd), "up", "--once", "--no-ray", "--drafter-in-process", "--datastore",
+            [str(sssd), "up", "--once", "--drafter-in-process", "--datastore",
              warm_datastore, "--port", str(free_port()), "--http-port", str(free_port()),
+             "--dashboard-port", "0", "--metrics-port", str(free_port()),
              "--drafter-port", str(other.getsockname()[1]), "--redis-port", str(free_port()),
              "--indexer-port", str(free_port()), "--indexer-metrics-port", str(free_port()),
              "--build-tokens", "1", "--build-interval-s", "1", "--max-batch-size", "2",
