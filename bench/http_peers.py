@@ -11,12 +11,14 @@ and against vLLM's own server, one server at a time, fully offline.
     .venv/bin/python bench/http_peers.py --plot bench/results/http-peers.jsonl
 
 Servers (same model, SmolLM2-135M-Instruct, same dtype, greedy):
-- ours: `sssd up` (Ray prefill and decode workers, the drafter service, the HTTP API), with the
-  live datastore off (--no-live) so that every run drafts from the same datastore as vLLM with
+- ours: `sssd up` as shipped (Ray workers, the HTTP API; on fewer than 4 cores one decode worker
+  that prefills its own prompts and drafts in its own process, elsewhere a prefill worker and
+  the drafter service), with the live datastore off (--no-live) so that every run drafts from the same datastore as vLLM with
   our drafter; measured twice on the same server: `ours` (speculation auto) and `ours-off`
   (the request field `speculation: off`, sent by the client's --extra-body);
-- ours-local: the same with `sssd up --no-ray` (the engine in the API's process, prompts prefilled
-  inside its decode steps), as `ours-local` and `ours-local-off`;
+- ours-local: `sssd up --no-ray --drafter-service` (the engine in the API's process, prompts
+  prefilled inside its decode steps, drafts from the drafter service), as `ours-local` and
+  `ours-local-off`;
 - ours-inproc: `sssd up --no-ray --drafter-in-process`, the single-process deployment: the SSSD
   core drafts in the engine's process from the same datastore, no gRPC round trip per step;
 - vllm: vLLM's OpenAI server without speculation;
@@ -181,7 +183,7 @@ def start_ours(args: argparse.Namespace, server: str, work: Path,
                "0", "--metrics-port", str(ports[2]), "--check-rounds", "1", "--no-exact-check",
                "--served-model-name", "smollm2-135m"]
     if server == "ours-local":
-        command.append("--no-ray")
+        command += ["--no-ray", "--drafter-service"]
     elif server == "ours-inproc":
         command += ["--no-ray", "--drafter-in-process"]
     elif args.threads:  # else `sssd up`'s own: the cores split among the Ray workers
