@@ -13,9 +13,10 @@ and against vLLM's own server, one server at a time, fully offline.
 Servers (same model, SmolLM2-135M-Instruct, same dtype, greedy):
 - ours: `sssd up` as shipped (Ray workers, the HTTP API; on fewer than 4 cores one decode worker
   that prefills its own prompts and drafts in its own process, elsewhere a prefill worker and
-  the drafter service), with the live datastore off (--no-live) so that every run drafts from the same datastore as vLLM with
-  our drafter; measured twice on the same server: `ours` (speculation auto) and `ours-off`
-  (the request field `speculation: off`, sent by the client's --extra-body);
+  the drafter service), with the live datastore off (--no-live) so that every run drafts from
+  the same datastore as vLLM with our drafter; measured twice on the same server: `ours`
+  (speculation auto) and `ours-off` (the request field `speculation: off`, sent by the client's
+  --extra-body);
 - ours-local: `sssd up --no-ray --drafter-service` (the engine in the API's process, prompts
   prefilled inside its decode steps, drafts from the drafter service), as `ours-local` and
   `ours-local-off`;
