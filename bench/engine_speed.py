@@ -207,16 +207,12 @@ def memory_bandwidth() -> float:
     reads slower than the products can: the floor is then too low). The buffer is on 2 MiB
     pages, as the engine's weights are (verifier/engine/huge_pages.py): a floor read on 4 KiB
     pages pays TLB misses that the engine's steps no longer pay, and steps came out under it."""
-    from types import SimpleNamespace
-
     import torch
 
     from sssd import _kernels
-    from sssd.verifier.engine.huge_pages import move_into_huge_pages
+    from sssd.verifier.engine.huge_pages import empty_on_huge_pages
 
-    holder = SimpleNamespace(weight=torch.ones(512 * 1024 * 1024, dtype=torch.float32))
-    move_into_huge_pages([holder])
-    buffer = holder.weight
+    buffer = empty_on_huge_pages(2 << 30).view(torch.float32).fill_(1.0)
     num_bytes = buffer.numel() * 4
     best = float("inf")
     for _ in range(5):

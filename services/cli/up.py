@@ -338,11 +338,11 @@ def drafter_placement(args: argparse.Namespace, ray_config: RayConfig,
     if args.drafter_in_process is not None:
         return args.drafter_in_process, \
             "--drafter-in-process" if args.drafter_in_process else "--drafter-service"
-    engines = 1 if args.no_ray else (ray_config.num_decode_workers or 1)
+    engines = 1 if args.no_ray else plan_workers(ray_config, "cpu", 0, cpus).num_decode_workers
     if cpus < MIN_CPUS_TO_DISAGGREGATE and engines == 1 and not args.speculator:
         return True, (f"one engine on {cpus} cores, fewer than {MIN_CPUS_TO_DISAGGREGATE}: "
                       "no round trip a step; --drafter-service for the service")
-    return False, "--drafter-service"
+    return False, "the drafter service"
 
 
 def stack_ports(args: argparse.Namespace) -> dict[str, int]:

@@ -29,7 +29,13 @@ def test_drafter_placement(flags, decode_workers, cpus, in_process):
     in_process_now, reason = drafter_placement(
         parse(*flags), RayConfig(num_decode_workers=decode_workers), cpus)
     assert in_process_now is in_process
-    assert reason.startswith("--drafter") or f"on {cpus} cores" in reason
+    chosen = [flag for flag in ("--drafter-in-process", "--drafter-service") if flag in flags]
+    if chosen:  # a flag decided, and the line says so
+        assert reason == chosen[0]
+    elif in_process:
+        assert f"one engine on {cpus} cores" in reason
+    else:
+        assert reason == "the drafter service"
 
 
 def test_the_two_drafter_flags_exclude_each_other(capsys):
