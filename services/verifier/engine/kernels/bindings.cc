@@ -4,8 +4,11 @@
 // decoder.py, owns the tensors, checks their shapes and dtypes once per step and keeps them
 // alive across the call. Every call releases the GIL.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
+#include <atomic>
 #include <cstdint>
+#include <string>
 
 #include "fused_ops.h"
 
@@ -16,6 +19,27 @@ namespace k = sssd::kernels;
 namespace {
 
 void* ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+enum class Build { kNone, kAvx2, kAvx512 };
+
+std::atomic<bool> force_avx2{false};  // set_panels_avx2: tests run the AVX2 build anywhere
+
+// The build of the panel products for a dtype code (0 float32, 1 bfloat16) on this CPU.
+Build panels_build(int32_t code) {
+  static const bool avx512_bf16 = k::has_avx512_bf16(), avx512 = k::has_avx512_fma(),
+                    avx2 = k::has_avx2_fma();
+  if ((code == 1 ? avx512_bf16 : avx512) && !force_avx2.load()) return Build::kAvx512;
+  return avx2 ? Build::kAvx2 : Build::kNone;
+}
+
+std::string panels_instructions(int32_t code) {
+  const Build build = panels_build(code);
+  return build == Build::kAvx512 ? "avx512" : build == Build::kAvx2 ? "avx2" : "";
+}
+
+void check_panels(Build build) {
+  if (build == Build::kNone) throw nb::value_error("this CPU has neither AVX-512 nor AVX2 + FMA");
+}
 
 k::Dtype dtype_of(int32_t code) {
   if (code != 0 && code != 1) throw nb::value_error("dtype code must be 0 (float32) or 1 (bf16)");
@@ -34,14 +58,29 @@ NB_MODULE(_kernels, m) {
   m.def("num_threads", &k::num_threads, "OpenMP threads of the parallel loops.");
   m.def("has_avx512_bf16", &k::has_avx512_bf16);
   m.def("packed_bf16_panels", &k::packed_bf16_panels, "out_features"_a);
+  m.def("panels_instructions", &panels_instructions, "dtype"_a,
+        "Which build of the panel products runs a dtype (0 float32, 1 bfloat16) on this CPU: "
+        "'avx512' or 'avx2', or '' where neither can.");
+  m.def("set_panels_avx2", [](bool value) {
+    if (value && !k::has_avx2_fma()) throw nb::value_error("this CPU has no AVX2 and FMA");
+    return force_avx2.exchange(value);
+  }, "avx2"_a,
+        "Runs the panel products' AVX2 build even where the CPU has AVX-512 (True) or lets the "
+        "CPU choose again; returns the previous setting. Weights are packed the same for both.");
   m.def("linear_bf16", [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out,
                           int64_t rows, int64_t in_features, int64_t out_features) {
-    k::linear_bf16(ptr(x), ptr(packed), bias == 0 ? nullptr : ptr(bias), ptr(out), rows,
-                   in_features, out_features);
+    const Build build = panels_build(1);
+    check_panels(build);
+    const auto product = build == Build::kAvx512 ? &k::linear_bf16 : &k::linear_bf16_avx2;
+    product(ptr(x), ptr(packed), bias == 0 ? nullptr : ptr(bias), ptr(out), rows, in_features,
+            out_features);
   }, nb::call_guard<nb::gil_scoped_release>());
   m.def("read_bytes", [](uintptr_t data, int64_t num_bytes) {
     if (num_bytes % 64 != 0) throw nb::value_error("num_bytes must be a multiple of 64");
-    return k::read_bytes(ptr(data), num_bytes);
+    const Build build = panels_build(0);
+    check_panels(build);
+    return build == Build::kAvx512 ? k::read_bytes(ptr(data), num_bytes)
+                                   : k::read_bytes_avx2(ptr(data), num_bytes);
   }, nb::call_guard<nb::gil_scoped_release>(), "Reads the bytes once (a bandwidth probe).");
   m.def("argmax_rows", [](uintptr_t x, int64_t rows, int64_t cols, int32_t dtype,
                           uintptr_t out) {
@@ -55,11 +94,15 @@ NB_MODULE(_kernels, m) {
                        in_features, out_features);
   }, nb::call_guard<nb::gil_scoped_release>());
   m.def("has_avx512_fma", &k::has_avx512_fma);
+  m.def("has_avx2_fma", &k::has_avx2_fma);
   m.def("linear_f32", [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out,
                          int64_t rows, int64_t in_features, int64_t out_features) {
-    k::linear_f32(static_cast<const float*>(ptr(x)), static_cast<const float*>(ptr(packed)),
-                  bias == 0 ? nullptr : static_cast<const float*>(ptr(bias)),
-                  static_cast<float*>(ptr(out)), rows, in_features, out_features);
+    const Build build = panels_build(0);
+    check_panels(build);
+    const auto product = build == Build::kAvx512 ? &k::linear_f32 : &k::linear_f32_avx2;
+    product(static_cast<const float*>(ptr(x)), static_cast<const float*>(ptr(packed)),
+            bias == 0 ? nullptr : static_cast<const float*>(ptr(bias)),
+            static_cast<float*>(ptr(out)), rows, in_features, out_features);
   }, nb::call_guard<nb::gil_scoped_release>());
   m.def("rms_norm", [](uintptr_t x, uintptr_t w, uintptr_t out, int64_t rows, int64_t dim,
                        float eps, int32_t dtype) {

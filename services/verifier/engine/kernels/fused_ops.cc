@@ -12,8 +12,11 @@
 #include "numbers.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
-// One copy of each hot loop for AVX-512 and one for any x86-64, chosen at load time by the CPU.
-#define SSSD_CLONES __attribute__((target_clones("avx512f", "default")))
+// One copy of each hot loop for AVX-512, one for AVX2 and one for any x86-64, chosen at load
+// time by the CPU (a machine runs one of them throughout). The AVX2 copy rounds as the portable
+// one (its target has no FMA to contract a multiply and an add into); the AVX-512 one may
+// contract them.
+#define SSSD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define SSSD_CLONES
 #endif
@@ -76,7 +79,10 @@ SSSD_CLONES void silu_mul_row(const float* gate, const float* up, float* out, in
     const float g = gate[i];
     // silu(g) = g * sigmoid(g); exp of a non-positive argument either way.
     const float e = exp_nonpositive(-std::fabs(g));
-    const float sigmoid = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+    // 1 / (1 + e) or e / (1 + e): one division whose numerator is chosen, which vectorizes
+    // (a choice between two divisions stays a branch: the compiler may not run a division the
+    // source did not, as it could raise a floating-point exception).
+    const float sigmoid = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
     out[i] = round_to(round_to(g * sigmoid, dtype) * up[i], dtype);
   }
 }
@@ -92,46 +98,82 @@ SSSD_CLONES void rotate_row(const float* x, const float* cos, const float* sin, 
   }
 }
 
-// The portable attention of one (row, key head) pair: one query at a time, the same sums in the
-// same order as the AVX-512 one (attention_avx512.cc) up to the order within a dot product.
-template <typename T>
+// q . k over n values, in kDotLanes partial sums (element d into sum d % kDotLanes, the sums
+// then added in order): a loop the compiler vectorizes, which a single running sum is not
+// without -ffast-math.
+constexpr int64_t kDotLanes = 8;
+
+SSSD_CLONES float dot(const float* q, const float* k, int64_t n) {
+  float lanes[kDotLanes] = {};
+  const int64_t body = n - n % kDotLanes;
+  for (int64_t d = 0; d < body; d += kDotLanes) {
+    for (int64_t l = 0; l < kDotLanes; ++l) lanes[l] += q[d + l] * k[d + l];
+  }
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kDotLanes; ++l) sum += lanes[l];
+  for (int64_t d = body; d < n; ++d) sum += q[d] * k[d];
+  return sum;
+}
+
+// y += a x over n values.
+SSSD_CLONES void add_scaled(float* y, float a, const float* x, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) y[d] += a * x[d];
+}
+
+// The portable attention of one (row, key head) pair, for CPUs without AVX-512: for each query
+// (node j, query head k of the group), the same sums in the same order as the AVX-512 one
+// (attention_avx512.cc) up to the order within a dot product: scores over the visible keys,
+// their maximum, then the weights and the weighted values added in key order. Each key and
+// value is widened to float32 once for all the group's queries and nodes that see it.
 void attend_portable(const AttentionProblem& problem, int64_t s, int64_t g) {
   const int64_t group = problem.group(), num_nodes = problem.num_nodes;
   const int64_t head_dim = problem.head_dim;
-  const int64_t cached = problem.cache_lens[s];
-  const int64_t length = cached + num_nodes;
+  const int64_t length = problem.cache_lens[s] + num_nodes;
   const int64_t offset = problem.cache_offset(s, g);
-  std::vector<float> query(head_dim), key(head_dim), weights(length), result(head_dim);
-  for (int64_t j = 0; j < num_nodes; ++j) {
-    for (int64_t k = 0; k < group; ++k) {
-      const int64_t q_offset = ((s * num_nodes + j) * problem.heads + g * group + k) * head_dim;
-      to_float(problem.q, q_offset, head_dim, problem.dtype, query.data());
-      float top = -INFINITY;
-      for (int64_t p = 0; p < length; ++p) {
-        if (!problem.visible(s, j, p)) {
-          weights[p] = -INFINITY;
-          continue;
-        }
-        to_float(problem.key_cache, offset + p * head_dim, head_dim, problem.dtype, key.data());
-        float dot = 0.0f;
-        for (int64_t d = 0; d < head_dim; ++d) dot += query[d] * key[d];
-        weights[p] = dot * problem.scale;
-        top = std::max(top, weights[p]);
+  const int64_t queries = num_nodes * group;  // query i: node i / group, head g * group + i % group
+  std::vector<float> query(queries * head_dim), row(head_dim), scores(queries * length),
+      top(queries, -INFINITY), total(queries, 0.0f), result(queries * head_dim, 0.0f);
+  const auto q_offset = [&](int64_t i) {
+    return ((s * num_nodes + i / group) * problem.heads + g * group + i % group) * head_dim;
+  };
+  for (int64_t i = 0; i < queries; ++i) {
+    to_float(problem.q, q_offset(i), head_dim, problem.dtype, query.data() + i * head_dim);
+  }
+  for (int64_t p = 0; p < length; ++p) {
+    bool widened = false;
+    for (int64_t j = 0; j < num_nodes; ++j) {
+      const bool visible = problem.visible(s, j, p);
+      if (visible && !widened) {
+        to_float(problem.key_cache, offset + p * head_dim, head_dim, problem.dtype, row.data());
+        widened = true;
       }
-      float total = 0.0f;
-      std::fill(result.begin(), result.end(), 0.0f);
-      for (int64_t p = 0; p < length; ++p) {
-        const float weight = exp_nonpositive(weights[p] - top);
-        if (weight == 0.0f) continue;
-        total += weight;
-        to_float(problem.value_cache, offset + p * head_dim, head_dim, problem.dtype,
-                 key.data());
-        for (int64_t d = 0; d < head_dim; ++d) result[d] += weight * key[d];
+      for (int64_t i = j * group; i < (j + 1) * group; ++i) {
+        float& score = scores[i * length + p];
+        score = visible ? dot(query.data() + i * head_dim, row.data(), head_dim) * problem.scale
+                        : -INFINITY;
+        top[i] = std::max(top[i], score);
       }
-      const float inverse = 1.0f / total;
-      for (int64_t d = 0; d < head_dim; ++d) result[d] *= inverse;
-      from_float(result.data(), head_dim, problem.dtype, problem.out, q_offset);
     }
+  }
+  for (int64_t p = 0; p < length; ++p) {
+    bool widened = false;
+    for (int64_t i = 0; i < queries; ++i) {
+      const float weight = exp_nonpositive(scores[i * length + p] - top[i]);
+      if (weight == 0.0f) continue;
+      if (!widened) {
+        to_float(problem.value_cache, offset + p * head_dim, head_dim, problem.dtype,
+                 row.data());
+        widened = true;
+      }
+      total[i] += weight;
+      add_scaled(result.data() + i * head_dim, weight, row.data(), head_dim);
+    }
+  }
+  for (int64_t i = 0; i < queries; ++i) {
+    float* out = result.data() + i * head_dim;
+    const float inverse = 1.0f / total[i];
+    for (int64_t d = 0; d < head_dim; ++d) out[d] *= inverse;
+    from_float(out, head_dim, problem.dtype, problem.out, q_offset(i));
   }
 }
 
@@ -339,11 +381,7 @@ void attention(const void* q, const void* key_cache, const void* value_cache,
   for (int64_t item = 0; item < items; ++item) {
     const int64_t s = item / kv_heads, g = item % kv_heads;
     if (vector && detail::attend_avx512(problem, s, g)) continue;
-    if (dtype == Dtype::kFloat32) {
-      attend_portable<float>(problem, s, g);
-    } else {
-      attend_portable<uint16_t>(problem, s, g);
-    }
+    attend_portable(problem, s, g);
   }
 }
 

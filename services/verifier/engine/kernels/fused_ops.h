@@ -144,4 +144,16 @@ bool has_avx512_fma();
 void linear_f32(const float* x, const float* packed, const float* bias, float* out,
                 int64_t rows, int64_t in_features, int64_t out_features);
 
+// True when this CPU has AVX2 and FMA (the _avx2 products below run there only).
+bool has_avx2_fma();
+
+// linear_bf16, linear_f32 and read_bytes for CPUs without AVX-512 (linear_panels_avx2.cc): the
+// same arguments and packed panels, a row's result independent of the other rows; a product may
+// differ from the AVX-512 build's in the last bit (the order within a pair of inputs).
+void linear_bf16_avx2(const void* x, const void* packed, const void* bias, void* out,
+                      int64_t rows, int64_t in_features, int64_t out_features);
+void linear_f32_avx2(const float* x, const float* packed, const float* bias, float* out,
+                     int64_t rows, int64_t in_features, int64_t out_features);
+uint64_t read_bytes_avx2(const void* data, int64_t num_bytes);
+
 }  // namespace sssd::kernels

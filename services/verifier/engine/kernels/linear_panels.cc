@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "fused_ops.h"
+#include "panels_loop.h"
 #include "prefetch.h"
 
 namespace sssd::kernels {
@@ -145,32 +146,6 @@ constexpr AddInputs kAddInputs[kRowTile + 1] = {
     nullptr, add_inputs<1>, add_inputs<2>, add_inputs<3>, add_inputs<4>, add_inputs<5>,
     add_inputs<6>};
 
-// The loop both products share: the panels split between the threads; in each, the blocks of
-// `steps` (input pairs or inputs) in order and, in each block, the rows kRowTile at a time,
-// add(panel, first row, rows, block begin, block end, the rows' sums, pass, passes)
-// accumulating (pass: the row tile's number among the block's `passes`); then finish(panel,
-// sums [rows][64]) writes the panel's outputs.
-template <typename Add, typename Finish>
-void run_panels(int64_t rows, int64_t num_panels, int64_t steps, int64_t block, const Add& add,
-                const Finish& finish) {
-  const int64_t passes = (rows + kRowTile - 1) / kRowTile;
-#pragma omp parallel
-  {
-    std::vector<float> sums(static_cast<size_t>(rows * kPanel));
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < num_panels; ++p) {
-      for (int64_t begin = 0; begin < steps; begin += block) {
-        const int64_t end = std::min(begin + block, steps);
-        for (int64_t r = 0; r < rows; r += kRowTile) {
-          add(p, r, std::min(kRowTile, rows - r), begin, end, sums.data() + r * kPanel,
-              r / kRowTile, passes);
-        }
-      }
-      finish(p, sums.data());
-    }
-  }
-}
-
 }  // namespace
 
 bool has_avx512_bf16() {
@@ -216,7 +191,8 @@ void linear_bf16(const void* x, const void* packed, const void* bias, void* out,
                       y + r * out_features + first, width);
     }
   };
-  run_panels(rows, packed_bf16_panels(out_features), num_pairs, kBlockSteps, add, finish);
+  detail::run_panels(rows, packed_bf16_panels(out_features), num_pairs, kBlockSteps, kRowTile,
+                     add, finish);
 }
 
 uint64_t read_bytes(const void* data, int64_t num_bytes) {
@@ -257,7 +233,8 @@ void linear_f32(const float* x, const float* packed, const float* bias, float* o
       }
     }
   };
-  run_panels(rows, packed_bf16_panels(out_features), in_features, kBlockSteps, add, finish);
+  detail::run_panels(rows, packed_bf16_panels(out_features), in_features, kBlockSteps, kRowTile,
+                     add, finish);
 }
 
 }  // namespace sssd::kernels

@@ -19,12 +19,12 @@ inline float bf16_to_float(uint16_t bits) {
 }
 
 // Round to nearest even, as PyTorch converts float32 to bfloat16.
+// Without a branch (a NaN chosen, not returned early), so that loops over it vectorize.
 inline uint16_t float_to_bf16(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
 }
 
 // A value rounded to the model's dtype and back: what a tensor of that dtype would hold.

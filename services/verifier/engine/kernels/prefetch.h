@@ -16,6 +16,9 @@
 #include <cstdint>
 
 namespace sssd::kernels::detail {
+// An unnamed namespace: each file compiled for its own instruction set keeps its own copy
+// (panels_loop.h says why).
+namespace {
 
 class NextBlock {
  public:
@@ -45,4 +48,5 @@ class NextBlock {
   int64_t countdown_;
 };
 
+}  // namespace
 }  // namespace sssd::kernels::detail
