@@ -170,3 +170,28 @@ def test_a_prompt_attends_causally_over_its_own_keys_without_the_square_of_score
     mask = batch.attention_mask[..., :n]  # the kv_len past n is padding nobody attends
     expected = grouped_attention(q, keys, values, mask, 0.2)
     assert (prompt_attention(q, keys, values, 0.2) - expected).abs().max() < 1e-5
+
+
+def test_a_bfloat16_model_where_onednn_cannot_prepack_it_gets_panels_or_plain_weights(
+        monkeypatch):
+    """On CPUs without AVX-512 (AMD Zen 2 and 3, say) oneDNN raises when asked to prepack a
+    bfloat16 weight: the decoder asks first and takes the panels' AVX2 build, or keeps the
+    weights as they are where no panels run either; asked to pack anyway, it says why not."""
+    from sssd.verifier.engine import decoder as decoder_module
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    monkeypatch.setattr(decoder_module, "_oneDNN_packs", lambda dtype: False)
+    panels = decoder_module._panels_usable(torch.bfloat16, torch.device("cpu"))
+    assert Decoder(model).layout in (("panels", "amx") if panels else ("plain",))
+    monkeypatch.setattr(decoder_module, "_panels_usable", lambda dtype, device: False)
+    plain = Decoder(model)
+    assert plain.layout == "plain"
+    runner = ModelRunner(model, max_seqs=1, max_len=128, model_impl="sssd")
+    runner.decoder = plain
+    reference = ModelRunner(model, max_seqs=1, max_len=128, model_impl="transformers")
+    prompt = list(range(3, 40))
+    got, expected = runner.prefill(0, prompt).float(), reference.prefill(0, prompt).float()
+    # bfloat16 logits of two orders of summation: a few units in the last place (0.008 seen)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0.05)
+    with pytest.raises(ValueError, match="cannot prepack"):
+        Decoder(model, pack=True)
