@@ -45,27 +45,6 @@ constexpr int64_t kPanel = 64;        // outputs per panel: four vectors of 16 f
 constexpr int64_t kRowTile = 6;       // rows sharing each weight vector read
 constexpr int64_t kBlockSteps = 64;   // steps per block (16 KB of a panel)
 constexpr int64_t kStepBytes = 256;   // a panel's weights for one input pair or float32 input
-// How far ahead of a step the first pass over a block asks for the panel's lines: into the
-// core's second cache from far ahead, into its first from near ahead.
-constexpr int64_t kStreamAhead = 4096;
-constexpr int64_t kNearAhead = 1024;
-
-// Asks for the panel's four lines kStreamAhead past `step` into L2 and those kNearAhead past it
-// into L1. With a few rows each step costs more arithmetic than one, and the hardware
-// prefetcher alone fell behind (float32, Qwen2.5-1.5B's products on the AMX Xeon, 404 -> 297 ms
-// at 4 rows and 500 -> 367 at 8, asking 2 KB ahead into L1). Asking into L1 alone keeps no more
-// lines in flight than the core's L1 fill buffers; asking into L2 from farther ahead keeps
-// memory busier. This scheme (with blocks of 64 steps, not 512-1024: a block then stays in L1
-// for the later passes) against the first, the two builds taking turns in one process on
-// bench/linear_panels.py's shapes, medians of 5 rounds, ms on 1 / 4 / 8 / 12 / 16 rows:
-// float32 269 / 317 / 371 / 392 / 444 -> 256 / 278 / 319 / 365 / 403; bfloat16 1 row
-// 165 -> 143, 4 and 8 rows unchanged.
-inline void prefetch_stream(const void* step) {
-  const char* at = static_cast<const char*>(step);
-  for (int line = 0; line < 4; ++line) _mm_prefetch(at + kStreamAhead + 64 * line, _MM_HINT_T1);
-  for (int line = 0; line < 4; ++line) _mm_prefetch(at + kNearAhead + 64 * line, _MM_HINT_T0);
-}
-
 // Adds pairs [pair_begin, pair_end) of a panel to the sums of `R` rows.
 //   x: the first row's inputs as 32-bit pairs, rows `x_stride` pairs apart;
 //   panel: the panel's weights, 4 vectors per pair; sums: [R][64] float32, loaded and stored;
@@ -83,7 +62,7 @@ void add_pairs(const uint32_t* x, int64_t x_stride, const __m512i* panel, int64_
   }
   for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
     const __m512i* w = panel + 4 * pair;
-    if (pass == 0) prefetch_stream(w);  // the later passes find the block in L1
+    if (pass == 0) detail::prefetch_stream(w);  // the later passes find the block in L1
     next.step();
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 1);
@@ -121,7 +100,7 @@ void add_inputs(const float* x, int64_t x_stride, const float* panel, int64_t be
   }
   for (int64_t k = begin; k < end; ++k) {
     const float* w = panel + kPanel * k;
-    if (pass == 0) prefetch_stream(w);
+    if (pass == 0) detail::prefetch_stream(w);
     next.step();
     const __m512 w0 = _mm512_loadu_ps(w);
     const __m512 w1 = _mm512_loadu_ps(w + 16);
@@ -205,7 +184,7 @@ uint64_t read_bytes(const void* data, int64_t num_bytes) {
 #pragma omp for schedule(static)
     for (int64_t v = 0; v < num_vectors; v += 4) {  // a 256-byte stretch (4 lines) an iteration
       const int64_t stretch_end = std::min(v + 4, num_vectors);
-      prefetch_stream(vectors + v);  // the stretch's 4 lines, as the products ask for theirs
+      detail::prefetch_stream(vectors + v);  // the stretch's 4 lines, as the products ask for theirs
       for (int64_t j = v; j < stretch_end; ++j) {
         any = _mm512_or_si512(any, _mm512_loadu_si512(vectors + j));
       }

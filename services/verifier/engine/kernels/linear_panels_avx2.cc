@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "fused_ops.h"
+#include "numbers.h"
 #include "panels_loop.h"
 #include "prefetch.h"
 
@@ -38,15 +39,6 @@ constexpr int64_t kRowTileBf16 = 2;
 constexpr int64_t kRowTileF32 = 3;
 constexpr int64_t kBlockSteps = 64;   // steps per block (16 KB of a panel), as linear_panels.cc
 constexpr int64_t kStepBytes = 256;   // a panel's weights for one input pair or float32 input
-constexpr int64_t kStreamAhead = 4096;  // as linear_panels.cc's prefetch_stream
-constexpr int64_t kNearAhead = 1024;
-
-inline void prefetch_stream(const void* step) {
-  const char* at = static_cast<const char*>(step);
-  for (int line = 0; line < 4; ++line) _mm_prefetch(at + kStreamAhead + 64 * line, _MM_HINT_T1);
-  for (int line = 0; line < 4; ++line) _mm_prefetch(at + kNearAhead + 64 * line, _MM_HINT_T0);
-}
-
 // Adds pairs [pair_begin, pair_end) of a bfloat16 panel to the sums of `R` rows, half a panel
 // at a time. x: the first row's inputs in float32, rows `x_stride` floats apart; panel: the
 // panel's [pairs][64] 32-bit input pairs; sums: [R][64] float32.
@@ -66,7 +58,7 @@ void add_pairs(const float* x, int64_t x_stride, const uint32_t* panel, int64_t 
     for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
       const uint32_t* step = panel + 64 * pair;
       if (half == 0) {
-        if (pass == 0) prefetch_stream(step);  // the later passes find the block in L1
+        if (pass == 0) detail::prefetch_stream(step);  // the later passes find the block in L1
         next.step();
       }
       __m256 x0[R], x1[R];  // each row's pair of inputs, broadcast once for the 4 vectors
@@ -113,7 +105,7 @@ void add_inputs(const float* x, int64_t x_stride, const float* panel, int64_t be
     for (int64_t k = begin; k < end; ++k) {
       const float* step = panel + 64 * k;
       if (half == 0) {
-        if (pass == 0) prefetch_stream(step);
+        if (pass == 0) detail::prefetch_stream(step);
         next.step();
       }
       __m256 xk[R];
@@ -137,21 +129,6 @@ using AddInputs = void (*)(const float*, int64_t, const float*, int64_t, int64_t
 constexpr AddInputs kAddInputs[kRowTileF32 + 1] = {nullptr, add_inputs<1>, add_inputs<2>,
                                                    add_inputs<3>};
 
-inline float bf16_to_float(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof value);
-  return value;
-}
-
-// value rounded to bfloat16, to nearest even (a NaN stays a quiet NaN), as VCVTNEPS2BF16.
-inline uint16_t float_to_bf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 }  // namespace
 
 bool has_avx2_fma() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
@@ -161,7 +138,7 @@ void linear_bf16_avx2(const void* x, const void* packed, const void* bias, void*
   const int64_t num_pairs = in_features / 2;
   const auto* x_bits = static_cast<const uint16_t*>(x);
   std::vector<float> x32(static_cast<size_t>(rows * in_features));  // the inputs, exactly
-  for (int64_t i = 0; i < rows * in_features; ++i) x32[i] = bf16_to_float(x_bits[i]);
+  for (int64_t i = 0; i < rows * in_features; ++i) x32[i] = detail::bf16_to_float(x_bits[i]);
   const auto* weights = static_cast<const uint32_t*>(packed);
   const auto* bias_bits = static_cast<const uint16_t*>(bias);
   auto* y = static_cast<uint16_t*>(out);
@@ -177,8 +154,8 @@ void linear_bf16_avx2(const void* x, const void* packed, const void* bias, void*
       uint16_t* row_out = y + r * out_features + first;
       for (int64_t j = 0; j < width; ++j) {
         float sum = sums[r * 64 + j];
-        if (bias_bits != nullptr) sum += bf16_to_float(bias_bits[first + j]);
-        row_out[j] = float_to_bf16(sum);
+        if (bias_bits != nullptr) sum += detail::bf16_to_float(bias_bits[first + j]);
+        row_out[j] = detail::float_to_bf16(sum);
       }
     }
   };
@@ -220,7 +197,7 @@ uint64_t read_bytes_avx2(const void* data, int64_t num_bytes) {
 #pragma omp for schedule(static)
     for (int64_t v = 0; v < num_vectors; v += 8) {  // a 256-byte stretch (4 lines) an iteration
       const int64_t stretch_end = std::min(v + 8, num_vectors);
-      prefetch_stream(vectors + v);
+      detail::prefetch_stream(vectors + v);
       for (int64_t j = v; j < stretch_end; ++j) {
         any = _mm256_or_si256(any, _mm256_loadu_si256(vectors + j));
       }

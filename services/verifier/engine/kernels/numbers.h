@@ -10,6 +10,9 @@
 #include "fused_ops.h"
 
 namespace sssd::kernels::detail {
+// The conversions in an unnamed namespace: files compiled for different instruction sets include
+// them, and each keeps its own copy (panels_loop.h says why).
+namespace {
 
 inline float bf16_to_float(uint16_t bits) {
   uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -57,6 +60,8 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&scale, &bits, sizeof scale);
   return vanishes ? 0.0f : p * scale;
 }
+
+}  // namespace
 
 // One call's attention problem (see attention() in fused_ops.h).
 struct AttentionProblem {
