@@ -92,7 +92,8 @@ bool prompt_attention(const void* q, const void* key_cache, const void* value_ca
 // SmolLM2's 49152 logits on the AMX Xeon, 16 ms for 128 rows, against a 23 ms decode step).
 void argmax_rows(const void* x, int64_t rows, int64_t cols, Dtype dtype, int64_t* out);
 
-// True when this CPU has AVX-512 with its bfloat16 instructions (linear_bf16 runs there only).
+// True when this CPU has AVX-512 with its bfloat16 instructions (linear_bf16's AVX-512 build
+// runs there only; elsewhere the bindings call linear_bf16_avx2).
 bool has_avx512_bf16();
 
 // The panels of linear_bf16's packed weights for `out_features` outputs (64 outputs a panel).
@@ -131,10 +132,11 @@ constexpr int64_t kPrefetchAhead = 2048;
 
 // Reads num_bytes (a multiple of 64) of `data` once, as the panels read their weights (the
 // threads splitting them, 64-byte vectors, prefetched as they are), and returns their
-// bits OR-ed together: the benchmarks' bandwidth probe. AVX-512 only, like linear_f32.
+// bits OR-ed together: the benchmarks' bandwidth probe. AVX-512 only, like linear_f32
+// (read_bytes_avx2 elsewhere).
 uint64_t read_bytes(const void* data, int64_t num_bytes);
 
-// True when this CPU has AVX-512 (linear_f32 runs there only).
+// True when this CPU has AVX-512 (linear_f32 runs there only; elsewhere linear_f32_avx2).
 bool has_avx512_fma();
 
 // out = x W^T (+ bias) in float32, one fused multiply-add per input in order, the bias added

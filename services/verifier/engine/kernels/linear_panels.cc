@@ -184,7 +184,7 @@ uint64_t read_bytes(const void* data, int64_t num_bytes) {
 #pragma omp for schedule(static)
     for (int64_t v = 0; v < num_vectors; v += 4) {  // a 256-byte stretch (4 lines) an iteration
       const int64_t stretch_end = std::min(v + 4, num_vectors);
-      detail::prefetch_stream(vectors + v);  // the stretch's 4 lines, as the products ask for theirs
+      detail::prefetch_stream(vectors + v);  // its 4 lines, as the products ask for theirs
       for (int64_t j = v; j < stretch_end; ++j) {
         any = _mm512_or_si512(any, _mm512_loadu_si512(vectors + j));
       }
@@ -202,15 +202,7 @@ void linear_f32(const float* x, const float* packed, const float* bias, float* o
                      end, sums, begin == 0, pass, passes);
   };
   const auto finish = [&](int64_t p, const float* sums) {
-    const int64_t first = p * kPanel;
-    const int64_t width = std::min(kPanel, out_features - first);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* s = sums + r * kPanel;
-      float* row_out = out + r * out_features + first;
-      for (int64_t j = 0; j < width; ++j) {
-        row_out[j] = bias != nullptr ? s[j] + bias[first + j] : s[j];
-      }
-    }
+    detail::write_f32_panel(p, sums, rows, bias, out, out_features);
   };
   detail::run_panels(rows, packed_bf16_panels(out_features), in_features, kBlockSteps, kRowTile,
                      add, finish);

@@ -160,8 +160,8 @@ void linear_bf16_avx2(const void* x, const void* packed, const void* bias, void*
     }
   };
   detail::run_panels(rows, packed_bf16_panels(out_features), num_pairs, kBlockSteps,
-                     kRowTileBf16,
-                     add, finish);
+                     kRowTileBf16, add,
+                     finish);
 }
 
 void linear_f32_avx2(const float* x, const float* packed, const float* bias, float* out,
@@ -172,15 +172,7 @@ void linear_f32_avx2(const float* x, const float* packed, const float* bias, flo
                      sums, begin == 0, pass, passes);
   };
   const auto finish = [&](int64_t p, const float* sums) {
-    const int64_t first = p * 64;
-    const int64_t width = std::min<int64_t>(64, out_features - first);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* s = sums + r * 64;
-      float* row_out = out + r * out_features + first;
-      for (int64_t j = 0; j < width; ++j) {
-        row_out[j] = bias != nullptr ? s[j] + bias[first + j] : s[j];
-      }
-    }
+    detail::write_f32_panel(p, sums, rows, bias, out, out_features);
   };
   detail::run_panels(rows, packed_bf16_panels(out_features), in_features, kBlockSteps,
                      kRowTileF32,

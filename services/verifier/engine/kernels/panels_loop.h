@@ -3,7 +3,8 @@
 // pairs or inputs) in order and, in each block, the rows `row_tile` at a time,
 // add(panel, first row, rows, block begin, block end, the rows' sums, pass, passes)
 // accumulating (pass: the row tile's number among the block's `passes`); then finish(panel,
-// sums [rows][64]) writes the panel's outputs.
+// sums [rows][64]) writes the panel's outputs
+// (write_f32_panel for the float32 products).
 //
 // In an unnamed namespace, as in prefetch.h: the files that include it are compiled for
 // different instruction sets, and each must keep its own copy (one shared inline definition
@@ -34,6 +35,21 @@ void run_panels(int64_t rows, int64_t num_panels, int64_t steps, int64_t block, 
         }
       }
       finish(p, sums.data());
+    }
+  }
+}
+
+// A float32 product's last step for panel p: out[r][64 p + j] = sums[r][j] (+ bias[64 p + j]),
+// for the panel's outputs that exist.
+inline void write_f32_panel(int64_t p, const float* sums, int64_t rows, const float* bias,
+                            float* out, int64_t out_features) {
+  const int64_t first = p * 64;
+  const int64_t width = std::min<int64_t>(64, out_features - first);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = sums + r * 64;
+    float* row_out = out + r * out_features + first;
+    for (int64_t j = 0; j < width; ++j) {
+      row_out[j] = bias != nullptr ? s[j] + bias[first + j] : s[j];
     }
   }
 }
