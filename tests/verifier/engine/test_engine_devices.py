@@ -137,30 +137,40 @@ def test_bfloat16_speculation_at_the_fixed_shape_equals_plain_decoding(device, t
     bfloat16; on the CPU through the PyTorch forward (the fused kernels need no fixed shape).
     On the CPUs tried here the PyTorch forward passes this without the fixed shape too: only
     the `cuda` case tests the fix (an H100 gave 12 of 16 answers other than plain decoding's
-    before it); the `cpu` case keeps the padded path's logic exact."""
-    loaded = target_model_bf16 if device == "cpu" else load_causal_lm(None, "bfloat16", device)
+    before it); the `cpu` case keeps the padded path's logic exact, on a smaller shape (8 nodes,
+    2 rows, 24 tokens): PyTorch's bfloat16 products are slow on CPUs without AVX-512 (6.5x its
+    float32 ones on AMD's Zen 3, where the `cuda` case's shape took 5 minutes)."""
+    on_cpu = device == "cpu"
+    loaded = target_model_bf16 if on_cpu else load_causal_lm(None, "bfloat16", device)
 
     def engine(batch_size, proposer="inproc"):
         engine, drafter = make_engine(loaded, batch_size, warm_datastore, proposer=proposer,
-                                      fixed_nodes=16 if device == "cpu" else None)
-        if device == "cpu":
+                                      max_budget=8 if on_cpu else 16,
+                                      fixed_nodes=8 if on_cpu else None)
+        if on_cpu:
             engine.runner.decoder = Decoder(loaded.model, fused=False, pack=False)
         else:
             assert engine.runner.fixed_nodes is not None  # the default on CUDA
         return engine, drafter
 
-    prompts = mt_bench_prompts[:4]
-    for batch_size in (1, 4):  # the shape is the engine's: [its max batch size, fixed_nodes]
+    prompts = mt_bench_prompts[:2] if on_cpu else mt_bench_prompts[:4]
+    tokens = 24 if on_cpu else 40
+    # The shape is the engine's: [its max batch size, fixed_nodes].
+    for batch_size in (1, len(prompts)):
         plain, _ = engine(batch_size, proposer=None)
-        reference = plain.generate(prompts, max_tokens=40)
+        reference = plain.generate(prompts, max_tokens=tokens)
         # A request's answer does not depend on the requests beside it.
-        assert plain.generate(prompts[-1:], max_tokens=40) == reference[-1:]
+        assert plain.generate(prompts[-1:], max_tokens=tokens) == reference[-1:]
         speculative, drafter = engine(batch_size)
         try:
-            assert speculative.generate(prompts, max_tokens=40) == reference, batch_size
+            assert speculative.generate(prompts, max_tokens=tokens) == reference, batch_size
         finally:
             drafter.close()
-        assert speculative.stats.mean_accepted_per_step > 1.3
+        # Not vacuous: drafts were accepted at the fixed shape (7 a run on the Zen 3 CPU).
+        if on_cpu:
+            assert speculative.stats.num_accepted >= 4, speculative.stats
+        else:
+            assert speculative.stats.mean_accepted_per_step > 1.3
 
 
 @pytest.mark.parametrize("device", DEVICES)
