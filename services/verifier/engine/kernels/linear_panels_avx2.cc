@@ -12,8 +12,15 @@
 // even) once at the end. That order is not VDPBF16PS's, so this build and the AVX-512 one may
 // differ in the last bit of a product: each machine decodes with one of them throughout.
 //
-// With 16 vector registers a row's 64 sums do not fit beside a second row's, so a pass takes
-// half a panel (32 outputs, 4 registers of sums a row) and 2 or 3 rows; the block (64 steps,
+// A pass takes a whole panel (64 outputs, 8 registers of sums a row) and 1 or 2 rows: 16
+// independent sums for 2 rows, where each sum's own multiply-adds follow one another (two a pair,
+// each waiting for the last). With half a panel a pass (4 registers a row, 8 sums for 2 rows,
+// as before) the two FMA units waited on those chains; a whole panel spills a few sums to the
+// stack but keeps both units busy. The inputs are broadcast again for each vector of outputs
+// (from L1) rather than held, which leaves the registers to the sums. Measured with a scratch
+// program on the Zen 3 EPYC (2 threads, a 1536 x 17920 bfloat16 matrix, bit-identical results):
+// 1 / 2 / 4 / 8 / 16 rows 4.4 / 4.2 / 4.6 / 6.4 / 10.8 ms -> 3.7 / 3.6 / 3.7 / 5.4 / 9.4; 3 or 4
+// rows a pass spilled more than they saved (7.9 and 9.4 ms at 8 rows). The block (64 steps,
 // 16 KB) that the first pass read from memory stays in the core's first cache for the others.
 //
 // Compiled with -mavx2 -mfma (CMakeLists.txt); called only on CPUs that have both
@@ -32,56 +39,46 @@
 namespace sssd::kernels {
 namespace {
 
-constexpr int64_t kHalf = 32;         // outputs of a pass: four vectors of 8 float32 sums
-// Rows of a pass: the sums (4 registers a row), each row's broadcast inputs (2 a row for
-// bfloat16, 1 for float32) and the weights in flight fit in the 16 vector registers.
+constexpr int64_t kHalf = 32;         // outputs of a float32 pass: four vectors of 8 sums
+constexpr int64_t kVectors = 8;       // vectors of 8 outputs in a panel
+// Rows of a pass: for bfloat16, a whole panel's sums a row (above); for float32, half a
+// panel's sums (4 registers a row) and each row's broadcast input fit in the 16 registers.
 constexpr int64_t kRowTileBf16 = 2;
 constexpr int64_t kRowTileF32 = 3;
 constexpr int64_t kBlockSteps = 64;   // steps per block (16 KB of a panel), as linear_panels.cc
 constexpr int64_t kStepBytes = 256;   // a panel's weights for one input pair or float32 input
-// Adds pairs [pair_begin, pair_end) of a bfloat16 panel to the sums of `R` rows, half a panel
-// at a time. x: the first row's inputs in float32, rows `x_stride` floats apart; panel: the
-// panel's [pairs][64] 32-bit input pairs; sums: [R][64] float32.
+// Adds pairs [pair_begin, pair_end) of a bfloat16 panel to the sums of `R` rows, the whole
+// panel in one pass. x: the first row's inputs in float32, rows `x_stride` floats apart; panel:
+// the panel's [pairs][64] 32-bit input pairs; sums: [R][64] float32.
 template <int R>
 void add_pairs(const float* x, int64_t x_stride, const uint32_t* panel, int64_t pair_begin,
                int64_t pair_end, float* sums, bool first, int64_t pass, int64_t passes) {
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  for (int64_t half = 0; half < 2; ++half) {
-    detail::NextBlock next(panel + 64 * pair_end, kStepBytes, pass, passes);
-    __m256 acc[R][4];
-    for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < 4; ++j) {
-        acc[r][j] = first ? _mm256_setzero_ps()
-                          : _mm256_loadu_ps(sums + r * 64 + half * kHalf + 8 * j);
-      }
+  detail::NextBlock next(panel + 64 * pair_end, kStepBytes, pass, passes);
+  __m256 acc[R][kVectors];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < kVectors; ++j) {
+      acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * 64 + 8 * j);
     }
-    for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
-      const uint32_t* step = panel + 64 * pair;
-      if (half == 0) {
-        if (pass == 0) detail::prefetch_stream(step);  // the later passes find the block in L1
-        next.step();
-      }
-      __m256 x0[R], x1[R];  // each row's pair of inputs, broadcast once for the 4 vectors
+  }
+  for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
+    const uint32_t* step = panel + 64 * pair;
+    if (pass == 0) detail::prefetch_stream(step);  // the later passes find the block in L1
+    next.step();
+    const float* inputs = x + 2 * pair;
+    for (int j = 0; j < kVectors; ++j) {
+      const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 8 * j));
+      const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 16));
+      const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(lanes, high));
       for (int r = 0; r < R; ++r) {
-        x0[r] = _mm256_broadcast_ss(x + r * x_stride + 2 * pair);
-        x1[r] = _mm256_broadcast_ss(x + r * x_stride + 2 * pair + 1);
-      }
-      const uint32_t* w = step + half * kHalf;
-      for (int j = 0; j < 4; ++j) {
-        const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 8 * j));
-        const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 16));
-        const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(lanes, high));
-        for (int r = 0; r < R; ++r) {
-          acc[r][j] = _mm256_fmadd_ps(x0[r], w0, acc[r][j]);
-          acc[r][j] = _mm256_fmadd_ps(x1[r], w1, acc[r][j]);
-        }
+        acc[r][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(inputs + r * x_stride), w0, acc[r][j]);
+        acc[r][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(inputs + r * x_stride + 1), w1,
+                                    acc[r][j]);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < 4; ++j) {
-        _mm256_storeu_ps(sums + r * 64 + half * kHalf + 8 * j, acc[r][j]);
-      }
-    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < kVectors; ++j) _mm256_storeu_ps(sums + r * 64 + 8 * j, acc[r][j]);
   }
 }
 
