@@ -41,8 +41,9 @@ namespace {
 
 constexpr int64_t kHalf = 32;         // outputs of a float32 pass: four vectors of 8 sums
 constexpr int64_t kVectors = 8;       // vectors of 8 outputs in a panel
-// Rows of a pass: for bfloat16, a whole panel's sums a row (above); for float32, half a
-// panel's sums (4 registers a row) and each row's broadcast input fit in the 16 registers.
+// Rows of a pass: for bfloat16, a whole panel's sums a row (above); for float32 from 9 rows
+// on, half a panel's sums (4 registers a row) and each row's broadcast input fit in the 16
+// registers (to 8 rows, a whole panel and 2 rows, as for bfloat16: add_inputs_whole).
 constexpr int64_t kRowTileBf16 = 2;
 constexpr int64_t kRowTileF32 = 3;
 constexpr int64_t kBlockSteps = 64;   // steps per block (16 KB of a panel), as linear_panels.cc
@@ -121,10 +122,45 @@ void add_inputs(const float* x, int64_t x_stride, const float* panel, int64_t be
   }
 }
 
+// The same over the whole panel in one pass, as add_pairs: up to kRowTileF32Panel rows, 8
+// sums a row. Faster while the weights stream from memory (few rows), slower once the
+// arithmetic dominates, where the half-panel passes above reuse each loaded vector for 3 rows:
+// a scratch program's 8960 x 1536 float32 matrix at 1 / 2 / 4 / 8 / 16 rows took 4.4 / 4.2 /
+// 5.6 / 4.9 / 6.8 ms in half-panel passes, 3.5 / 3.3 / 3.5 / 4.8 / 7.6 in whole ones.
+template <int R>
+void add_inputs_whole(const float* x, int64_t x_stride, const float* panel, int64_t begin,
+                      int64_t end, float* sums, bool first, int64_t pass, int64_t passes) {
+  detail::NextBlock next(panel + 64 * end, kStepBytes, pass, passes);
+  __m256 acc[R][kVectors];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < kVectors; ++j) {
+      acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * 64 + 8 * j);
+    }
+  }
+  for (int64_t k = begin; k < end; ++k) {
+    const float* step = panel + 64 * k;
+    if (pass == 0) detail::prefetch_stream(step);
+    next.step();
+    for (int j = 0; j < kVectors; ++j) {
+      const __m256 wj = _mm256_loadu_ps(step + 8 * j);
+      for (int r = 0; r < R; ++r) {
+        acc[r][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * x_stride + k), wj, acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < kVectors; ++j) _mm256_storeu_ps(sums + r * 64 + 8 * j, acc[r][j]);
+  }
+}
+
 using AddInputs = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, bool,
                            int64_t, int64_t);
 constexpr AddInputs kAddInputs[kRowTileF32 + 1] = {nullptr, add_inputs<1>, add_inputs<2>,
                                                    add_inputs<3>};
+constexpr int64_t kRowTileF32Panel = 2;
+constexpr int64_t kWholePanelRows = 8;  // products of at most this many rows pass whole panels
+constexpr AddInputs kAddInputsWhole[kRowTileF32Panel + 1] = {nullptr, add_inputs_whole<1>,
+                                                             add_inputs_whole<2>};
 
 }  // namespace
 
@@ -163,17 +199,20 @@ void linear_bf16_avx2(const void* x, const void* packed, const void* bias, void*
 
 void linear_f32_avx2(const float* x, const float* packed, const float* bias, float* out,
                      int64_t rows, int64_t in_features, int64_t out_features) {
+  // Each output's sum is the same chain of multiply-adds either way: the choice by the number
+  // of rows changes the speed, not a bit of any row.
+  const bool whole = rows <= kWholePanelRows;
+  const AddInputs* kernels = whole ? kAddInputsWhole : kAddInputs;
   const auto add = [&](int64_t p, int64_t r, int64_t tile, int64_t begin, int64_t end,
                        float* sums, int64_t pass, int64_t passes) {
-    kAddInputs[tile](x + r * in_features, in_features, packed + p * in_features * 64, begin, end,
-                     sums, begin == 0, pass, passes);
+    kernels[tile](x + r * in_features, in_features, packed + p * in_features * 64, begin, end,
+                  sums, begin == 0, pass, passes);
   };
   const auto finish = [&](int64_t p, const float* sums) {
     detail::write_f32_panel(p, sums, rows, bias, out, out_features);
   };
   detail::run_panels(rows, packed_bf16_panels(out_features), in_features, kBlockSteps,
-                     kRowTileF32,
-                     add, finish);
+                     whole ? kRowTileF32Panel : kRowTileF32, add, finish);
 }
 
 uint64_t read_bytes_avx2(const void* data, int64_t num_bytes) {
