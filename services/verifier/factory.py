@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import time
 from pathlib import Path
 
 import torch
 
-from sssd.common.model.device import resolve_device
+from sssd import _kernels
+from sssd.common.model.device import processor_name, resolve_device
 from sssd.common.model.loader import LoadedModel, load_causal_lm
 from sssd.verifier.engine.budget_policy import (
     DEFAULT_ACCEPTANCE_PRIOR,
@@ -37,14 +40,22 @@ def acceptance_path(profile_path: str, mode: str) -> str:
     return f"{Path(profile_path).with_suffix('')}.{mode}.acceptance.json"
 
 
+@functools.lru_cache(maxsize=1)
+def kernels_build() -> str:
+    """A fingerprint of the compiled kernels module: a rebuilt one (another pass structure, other
+    compiler flags) may time differently, so a profile measured with another build is stale."""
+    return hashlib.sha256(Path(_kernels.__file__).read_bytes()).hexdigest()[:16]
+
+
 def make_budget_policy(config: EngineConfig, runner: ModelRunner,
                        speculates: bool = True, model_name: str = "") -> BudgetPolicy:
     """`speculates`: False for an engine without a proposer, which always decodes one token.
 
     The measured policy's profile is reused from `profile_path` when it was measured with the
     same model, dtype, forward pass (runner.impl), matrix products (runner.products), device
-    type and torch threads and covers the batch sizes; its prior is the acceptance saved beside
-    it by an earlier server (serving.observers.AcceptanceSaver), else the built-in one."""
+    type, processor (its name), kernels build and torch threads and covers the batch sizes; its
+    prior is the acceptance saved beside it by an earlier server
+    (serving.observers.AcceptanceSaver), else the built-in one."""
     if not speculates:
         return FixedBudget(1)
     if config.budget_policy == "rule":
@@ -53,6 +64,7 @@ def make_budget_policy(config: EngineConfig, runner: ModelRunner,
     # A GPU's index does not change its speed: the profile is the device type's.
     setting = {"model": model_name, "dtype": config.dtype, "model_impl": runner.impl,
                "products": runner.products, "device": runner.device.type,
+               "processor": processor_name(runner.device), "kernels": kernels_build(),
                "torch_threads": torch.get_num_threads()}
     prior = DEFAULT_ACCEPTANCE_PRIOR
     load = None  # machine_load(), once it was measured

@@ -84,3 +84,30 @@ def test_a_profile_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet
     assert not quiet.busy and quiet.seconds.max() < 3600.0  # quiet: measured again, saved
     assert not ForwardProfile.load(path).busy
     assert build(busy=False).profile.seconds.tolist() == quiet.seconds.tolist()  # reused
+
+
+@pytest.mark.parametrize("key,value", [("processor", "another CPU"), ("kernels", "0" * 16)])
+def test_a_profile_of_another_processor_or_kernels_build_is_measured_again(
+        target_model_fp32, tmp_path, monkeypatch, key, value):
+    """A profile is the processor's and the kernels build's: one saved on another machine (a
+    shared var/ directory) or before the kernels were rebuilt is not reused."""
+    import json
+
+    from sssd.verifier import factory
+    from sssd.verifier.engine.budget_policy import ForwardProfile
+    from sssd.verifier.engine.model_runner import ModelRunner
+
+    monkeypatch.setattr(factory, "machine_load", lambda: (0.1, 2, False))
+    runner = ModelRunner(target_model_fp32.model, max_seqs=1, max_len=512)
+    path = tmp_path / "profile.json"
+    config = EngineConfig(mode="sssd", budget_policy="measured", max_batch_size=1, max_len=512,
+                          dtype="float32", profile_path=str(path))
+    factory.make_budget_policy(config, runner, model_name="m")
+    setting = json.loads(path.read_text())["setting"]
+    assert setting["processor"] and setting["kernels"] == factory.kernels_build()
+    foreign = ForwardProfile.load(path)
+    foreign.seconds[:] = 3600.0  # no real step takes an hour: a reuse would show
+    foreign.save(path, {**setting, key: value})
+    assert factory.make_budget_policy(config, runner, model_name="m").profile.seconds.max() \
+        < 3600.0
+    assert json.loads(path.read_text())["setting"] == setting  # measured again and saved

@@ -61,3 +61,22 @@ def synchronize(device: torch.device) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def processor_name(device: torch.device) -> str:
+    """What runs the model, as the machine names it: a CUDA device's name, or the CPU's model
+    name from /proc/cpuinfo (empty where there is none). A forward-pass profile is this
+    processor's: one measured on another (a shared var/ directory, a volume that moved to
+    another node) says nothing here."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
