@@ -48,6 +48,24 @@ constexpr int64_t kRowTileBf16 = 2;
 constexpr int64_t kRowTileF32 = 3;
 constexpr int64_t kBlockSteps = 64;   // steps per block (16 KB of a panel), as linear_panels.cc
 constexpr int64_t kStepBytes = 256;   // a panel's weights for one input pair or float32 input
+// A whole-panel pass's sums of R rows ([R][64] float32 at `sums`) into registers, zero on the
+// first block; and back.
+template <int R>
+inline void load_sums(__m256 (&acc)[R][kVectors], const float* sums, bool first) {
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < kVectors; ++j) {
+      acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * 64 + 8 * j);
+    }
+  }
+}
+
+template <int R>
+inline void store_sums(const __m256 (&acc)[R][kVectors], float* sums) {
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < kVectors; ++j) _mm256_storeu_ps(sums + r * 64 + 8 * j, acc[r][j]);
+  }
+}
+
 // Adds pairs [pair_begin, pair_end) of a bfloat16 panel to the sums of `R` rows, the whole
 // panel in one pass. x: the first row's inputs in float32, rows `x_stride` floats apart; panel:
 // the panel's [pairs][64] 32-bit input pairs; sums: [R][64] float32.
@@ -57,11 +75,7 @@ void add_pairs(const float* x, int64_t x_stride, const uint32_t* panel, int64_t 
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   detail::NextBlock next(panel + 64 * pair_end, kStepBytes, pass, passes);
   __m256 acc[R][kVectors];
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < kVectors; ++j) {
-      acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * 64 + 8 * j);
-    }
-  }
+  load_sums<R>(acc, sums, first);
   for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
     const uint32_t* step = panel + 64 * pair;
     if (pass == 0) detail::prefetch_stream(step);  // the later passes find the block in L1
@@ -78,9 +92,7 @@ void add_pairs(const float* x, int64_t x_stride, const uint32_t* panel, int64_t 
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < kVectors; ++j) _mm256_storeu_ps(sums + r * 64 + 8 * j, acc[r][j]);
-  }
+  store_sums<R>(acc, sums);
 }
 
 using AddPairs = void (*)(const float*, int64_t, const uint32_t*, int64_t, int64_t, float*, bool,
@@ -132,11 +144,7 @@ void add_inputs_whole(const float* x, int64_t x_stride, const float* panel, int6
                       int64_t end, float* sums, bool first, int64_t pass, int64_t passes) {
   detail::NextBlock next(panel + 64 * end, kStepBytes, pass, passes);
   __m256 acc[R][kVectors];
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < kVectors; ++j) {
-      acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * 64 + 8 * j);
-    }
-  }
+  load_sums<R>(acc, sums, first);
   for (int64_t k = begin; k < end; ++k) {
     const float* step = panel + 64 * k;
     if (pass == 0) detail::prefetch_stream(step);
@@ -148,9 +156,7 @@ void add_inputs_whole(const float* x, int64_t x_stride, const float* panel, int6
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < kVectors; ++j) _mm256_storeu_ps(sums + r * 64 + 8 * j, acc[r][j]);
-  }
+  store_sums<R>(acc, sums);
 }
 
 using AddInputs = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, bool,
