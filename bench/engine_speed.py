@@ -191,13 +191,10 @@ def worker(args: argparse.Namespace) -> None:
 def cpu_name() -> str:
     """The CPU's model name, and "+AMX" where it has AMX's bfloat16 tiles: results of different
     machines differ by far more than their noise."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines()
-                 if line.startswith("model name")), "unknown")
-    return name + (" +AMX" if " amx_bf16" in text else "")
+    from sssd import _kernels
+    from sssd.common.model.device import cpu_model_name
+
+    return (cpu_model_name() or "unknown") + (" +AMX" if _kernels.has_amx_bf16() else "")
 
 
 def memory_bandwidth() -> float:

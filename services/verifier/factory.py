@@ -61,7 +61,7 @@ def make_budget_policy(config: EngineConfig, runner: ModelRunner,
     if config.budget_policy == "rule":
         return RuleBudget(config.knee_intensity, config.max_budget)
 
-    # A GPU's index does not change its speed: the profile is the device type's.
+    # A GPU's index does not change its speed: the profile is the device model's (its name).
     setting = {"model": model_name, "dtype": config.dtype, "model_impl": runner.impl,
                "products": runner.products, "device": runner.device.type,
                "processor": processor_name(runner.device), "kernels": kernels_build(),

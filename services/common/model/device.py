@@ -63,15 +63,8 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def processor_name(device: torch.device) -> str:
-    """What runs the model, as the machine names it: a CUDA device's name, or the CPU's model
-    name from /proc/cpuinfo (empty where there is none). A forward-pass profile is this
-    processor's: one measured on another (a shared var/ directory, a volume that moved to
-    another node) says nothing here."""
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+def cpu_model_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, or "" where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -80,3 +73,14 @@ def processor_name(device: torch.device) -> str:
     except OSError:
         pass
     return ""
+
+
+def processor_name(device: torch.device) -> str:
+    """What runs the model, as the machine names it: a CUDA device's name, or the CPU's model
+    name. A forward-pass profile is this processor's: one measured on another (a shared var/
+    directory, a volume that moved to another node) says nothing here."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_model_name()

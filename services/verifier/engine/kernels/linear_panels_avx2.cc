@@ -18,7 +18,7 @@
 // as before) the two FMA units waited on those chains; a whole panel spills a few sums to the
 // stack but keeps both units busy. The inputs are broadcast again for each vector of outputs
 // (from L1) rather than held, which leaves the registers to the sums. Measured with a scratch
-// program on the Zen 3 EPYC (2 threads, a 1536 x 17920 bfloat16 matrix, bit-identical results):
+// program on the Zen 3 EPYC (2 threads, a 17920 x 1536 bfloat16 matrix, bit-identical results):
 // 1 / 2 / 4 / 8 / 16 rows 4.4 / 4.2 / 4.6 / 6.4 / 10.8 ms -> 3.7 / 3.6 / 3.7 / 5.4 / 9.4; 3 or 4
 // rows a pass spilled more than they saved (7.9 and 9.4 ms at 8 rows). The block (64 steps,
 // 16 KB) that the first pass read from memory stays in the core's first cache for the others.
