@@ -1,6 +1,7 @@
 """sssd._kernels, the verifier's fused CPU operations, against float64 references computed here
-with PyTorch: attention on both of its paths (AVX-512 and portable), a prompt's causal
-attention, the row operations, the rotary cache write, and the argument checks."""
+with PyTorch: attention on both of its paths (the vector one, AVX-512 or AVX2, and the portable
+one), a prompt's causal attention, the row operations, the rotary cache write, and the argument
+checks."""
 
 import numpy as np
 import pytest
@@ -13,13 +14,15 @@ CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Largest error against the float64 reference: float32 accumulates in float32; bfloat16 rounds
 # the output to 8 bits of mantissa (|values| of attention outputs stay below about 2).
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
-PATHS = [pytest.param(False, id="avx512"), pytest.param(True, id="portable")]
+# "vector": the CPU's own vector attention, AVX-512 where it has it, else AVX2 (and the AVX-512
+# argmax, else the portable one); "portable": the loops for any CPU.
+PATHS = [pytest.param(False, id="vector"), pytest.param(True, id="portable")]
 
 
 @pytest.fixture(params=PATHS)
 def portable(request):
-    if not request.param and not _kernels.has_avx512():
-        pytest.skip("this CPU has no AVX-512: only the portable path runs here")
+    if not request.param and not (_kernels.has_avx512() or _kernels.has_avx2_fma()):
+        pytest.skip("this CPU has neither AVX-512 nor AVX2: only the portable path runs here")
     previous = _kernels.set_portable(request.param)
     yield request.param
     _kernels.set_portable(previous)
@@ -122,6 +125,15 @@ def test_a_querys_result_does_not_depend_on_its_neighbours(portable, dtype):
     later = run_attention(q[:1, 5:6].contiguous(), keys, values, [cache_len + 5], [[1]], 0,
                           0.125)
     assert torch.equal(out[0, 5], later[0, 0])
+    # A bushy tree's node 9 sees the root and itself, 9 positions apart: the same as a one-node
+    # step right after the root, its own key and value moved next to the root's.
+    out = run_attention(q[:1].contiguous(), keys, values, [cache_len], [bushy], 0, 0.125)
+    moved_keys, moved_values = keys.clone(), values.clone()
+    moved_keys[0, :, cache_len + 1] = keys[0, :, cache_len + 9]
+    moved_values[0, :, cache_len + 1] = values[0, :, cache_len + 9]
+    later = run_attention(q[:1, 9:10].contiguous(), moved_keys, moved_values, [cache_len + 1],
+                          [[1]], 0, 0.125)
+    assert torch.equal(out[0, 9], later[0, 0])
 
 
 def test_attention_refuses_what_it_cannot_compute():

@@ -53,8 +53,8 @@ NB_MODULE(_kernels, m) {
   m.attr("MAX_TREE_NODES") = k::kMaxTreeNodes;
   m.def("has_avx512", &k::has_avx512);
   m.def("set_portable", &k::set_portable, "portable"_a,
-        "Turns the AVX-512 attention and argmax off (True) or back on; returns the previous "
-        "setting.");
+        "Turns the vector attention (AVX-512, else AVX2) and the AVX-512 argmax off (True) or "
+        "back on; returns the previous setting.");
   m.def("num_threads", &k::num_threads, "OpenMP threads of the parallel loops.");
   m.def("has_avx512_bf16", &k::has_avx512_bf16);
   m.def("packed_bf16_panels", &k::packed_bf16_panels, "out_features"_a);

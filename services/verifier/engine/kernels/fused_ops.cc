@@ -376,11 +376,13 @@ void attention(const void* q, const void* key_cache, const void* value_cache,
                                  first_slot, num_seqs, num_nodes, heads, kv_heads, head_dim,
                                  capacity, scale, dtype};
   const bool vector = !portable.load() && has_avx512();
+  const bool avx2 = !portable.load() && !vector && has_avx2_fma();
   const int64_t items = num_seqs * kv_heads;
 #pragma omp parallel for schedule(dynamic, 1) if (items > 1)
   for (int64_t item = 0; item < items; ++item) {
     const int64_t s = item / kv_heads, g = item % kv_heads;
     if (vector && detail::attend_avx512(problem, s, g)) continue;
+    if (avx2 && detail::attend_avx2(problem, s, g)) continue;
     attend_portable(problem, s, g);
   }
 }

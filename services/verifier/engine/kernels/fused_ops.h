@@ -24,8 +24,8 @@ inline constexpr int64_t kMaxTreeNodes = 64;
 // True when this CPU runs the AVX-512 paths (else portable loops, same results up to rounding).
 bool has_avx512();
 
-// Turns the AVX-512 attention and argmax off (tests compare the two paths); returns the previous
-// setting.
+// Turns the vector attention (AVX-512, else AVX2) and the AVX-512 argmax off (tests compare the
+// paths); returns the previous setting.
 bool set_portable(bool portable);
 
 // OpenMP threads the parallel loops use (PyTorch's setting when the runtime is shared).

@@ -1,5 +1,5 @@
 // Number formats and the attention problem shared by the portable kernels (fused_ops.cc) and
-// the AVX-512 attention (attention_avx512.cc).
+// the AVX-512 and AVX2 attention (attention_avx512.cc, attention_avx2.cc).
 #pragma once
 
 #include <algorithm>
@@ -95,6 +95,10 @@ bool prompt_attention_avx512(const AttentionProblem& problem);
 // The AVX-512 attention for one (row, key head) pair; false when it does not apply (head_dim
 // other than 64 or 128): the caller then runs the portable one.
 bool attend_avx512(const AttentionProblem& problem, int64_t s, int64_t g);
+
+// The AVX2 attention for one (row, key head) pair (attention_avx2.cc), for CPUs with AVX2 and FMA
+// but no AVX-512; false when it does not apply (head_dim other than 64 or 128).
+bool attend_avx2(const AttentionProblem& problem, int64_t s, int64_t g);
 
 // The index of the first maximum of row [cols] of `dtype` (a NaN counts as the maximum), with
 // AVX-512 (argmax_avx512.cc); as argmax_rows' portable loop.
