@@ -153,16 +153,6 @@ void weigh_rows(const float* weights, int64_t stride, const float* values, int64
   }
 }
 
-template <typename T>
-void store_row(const float* values, int64_t count, Dtype dtype, void* base, int64_t offset) {
-  if (dtype == Dtype::kFloat32) {
-    std::memcpy(static_cast<float*>(base) + offset, values, count * sizeof(float));
-  } else {
-    uint16_t* out = static_cast<uint16_t*>(base) + offset;
-    for (int64_t i = 0; i < count; ++i) out[i] = float_to_bf16(values[i]);
-  }
-}
-
 template <typename T, int64_t HD>
 void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
   thread_local Scratch scratch;
@@ -253,7 +243,7 @@ void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
         _mm256_store_ps(out + d, _mm256_mul_ps(_mm256_load_ps(out + d), inverse));
       }
       const int64_t query = i + r, j = query / group, k = query % group;
-      store_row<T>(out, HD, problem.dtype, problem.out,
+      store_row(out, HD, problem.dtype, problem.out,
                    ((s * num_nodes + j) * problem.heads + g * group + k) * HD);
     }
   }

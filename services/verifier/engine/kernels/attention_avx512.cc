@@ -75,16 +75,6 @@ inline void exp_from_maximum(float* row, int64_t length) {
   }
 }
 
-inline void store_row(const float* values, int64_t count, Dtype dtype, void* base,
-                      int64_t offset) {
-  if (dtype == Dtype::kFloat32) {
-    std::memcpy(static_cast<float*>(base) + offset, values, count * sizeof(float));
-  } else {
-    uint16_t* out = static_cast<uint16_t*>(base) + offset;
-    for (int64_t i = 0; i < count; ++i) out[i] = float_to_bf16(values[i]);
-  }
-}
-
 // Scratch of one thread, kept between calls.
 struct Scratch {
   std::vector<float> queries;  // [count, head_dim]

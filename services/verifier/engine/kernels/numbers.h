@@ -30,6 +30,18 @@ inline uint16_t float_to_bf16(float value) {
   return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
 }
 
+// values [count] float32 into base + offset (elements) of the model's dtype: an attention
+// output row.
+inline void store_row(const float* values, int64_t count, Dtype dtype, void* base,
+                      int64_t offset) {
+  if (dtype == Dtype::kFloat32) {
+    std::memcpy(static_cast<float*>(base) + offset, values, count * sizeof(float));
+  } else {
+    uint16_t* out = static_cast<uint16_t*>(base) + offset;
+    for (int64_t i = 0; i < count; ++i) out[i] = float_to_bf16(values[i]);
+  }
+}
+
 // A value rounded to the model's dtype and back: what a tensor of that dtype would hold.
 inline float round_to(float value, Dtype dtype) {
   return dtype == Dtype::kFloat32 ? value : bf16_to_float(float_to_bf16(value));
