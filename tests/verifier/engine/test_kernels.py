@@ -1,7 +1,6 @@
 """sssd._kernels, the verifier's fused CPU operations, against float64 references computed here
-with PyTorch: attention on both of its paths (the vector one, AVX-512 or AVX2, and the portable
-one), a prompt's causal attention, the row operations, the rotary cache write, and the argument
-checks."""
+with PyTorch: attention on each of its paths (AVX-512, AVX2 and portable), a prompt's causal
+attention, the row operations, the rotary cache write, and the argument checks."""
 
 import numpy as np
 import pytest
@@ -14,18 +13,22 @@ CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Largest error against the float64 reference: float32 accumulates in float32; bfloat16 rounds
 # the output to 8 bits of mantissa (|values| of attention outputs stay below about 2).
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
-# "vector": the CPU's own vector attention, AVX-512 where it has it, else AVX2 (and the AVX-512
-# argmax, else the portable one); "portable": the loops for any CPU.
-PATHS = [pytest.param(False, id="vector"), pytest.param(True, id="portable")]
+# The attention's paths, each where the CPU can run it: AVX-512, AVX2 (forced on a CPU that has
+# AVX-512 too), and the portable loops. The argmax has an AVX-512 path and a portable one: under
+# "avx2" it runs the CPU's own.
+PATHS = ["avx512", "avx2", "portable"]
+CAN_RUN = {"avx512": _kernels.has_avx512, "avx2": _kernels.has_avx2_fma, "portable": lambda: True}
 
 
 @pytest.fixture(params=PATHS)
-def portable(request):
-    if not request.param and not (_kernels.has_avx512() or _kernels.has_avx2_fma()):
-        pytest.skip("this CPU has neither AVX-512 nor AVX2: only the portable path runs here")
-    previous = _kernels.set_portable(request.param)
+def path(request):
+    if not CAN_RUN[request.param]():
+        pytest.skip(f"this CPU cannot run the {request.param} path")
+    previous_portable = _kernels.set_portable(request.param == "portable")
+    previous_avx2 = _kernels.set_attention_avx2(request.param == "avx2")
     yield request.param
-    _kernels.set_portable(previous)
+    _kernels.set_portable(previous_portable)
+    _kernels.set_attention_avx2(previous_avx2)
 
 
 def tree_bits(parents: list[int], padded_to: int) -> list[int]:
@@ -88,7 +91,7 @@ def random_case(generator, dtype, heads, kv_heads, head_dim, num_seqs, num_nodes
 @pytest.mark.parametrize("shape", [(9, 3, 64), (12, 2, 128), (4, 4, 32)],
                          ids=["smollm2", "qwen2.5-1.5b", "odd-head-dim"])
 @pytest.mark.parametrize("num_seqs,num_nodes", [(1, 1), (3, 1), (2, 7), (1, 64)])
-def test_attention_matches_the_float64_reference(portable, dtype, shape, num_seqs, num_nodes):
+def test_attention_matches_the_float64_reference(path, dtype, shape, num_seqs, num_nodes):
     heads, kv_heads, head_dim = shape
     generator = torch.Generator().manual_seed(num_seqs * 100 + num_nodes)
     q, keys, values, cache_lens, bits = random_case(generator, dtype, heads, kv_heads, head_dim,
@@ -100,7 +103,7 @@ def test_attention_matches_the_float64_reference(portable, dtype, shape, num_seq
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_querys_result_does_not_depend_on_its_neighbours(portable, dtype):
+def test_a_querys_result_does_not_depend_on_its_neighbours(path, dtype):
     """The root of a tree gives bit-identical outputs alone, under any tree, padded, and beside
     other rows: what makes speculative decoding token-identical to plain decoding in bf16."""
     generator = torch.Generator().manual_seed(7)
@@ -303,7 +306,7 @@ def test_rope_and_store_rotates_and_writes_the_cache(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("vocab", [1, 17, 100, 49152, 151936])  # odd tails; both models' rows
-def test_argmax_gives_torchs_indices(portable, dtype, vocab):
+def test_argmax_gives_torchs_indices(path, dtype, vocab):
     """Greedy verification's token per node: the same index as torch.argmax on every row, ties
     to the first maximum, a NaN counted as the maximum (its first), -0.0 equal to 0.0, and
     bfloat16 logits read as torch reads them."""

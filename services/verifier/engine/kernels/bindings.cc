@@ -55,6 +55,12 @@ NB_MODULE(_kernels, m) {
   m.def("set_portable", &k::set_portable, "portable"_a,
         "Turns the vector attention (AVX-512, else AVX2) and the AVX-512 argmax off (True) or "
         "back on; returns the previous setting.");
+  m.def("set_attention_avx2", [](bool value) {
+    if (value && !k::has_avx2_fma()) throw nb::value_error("this CPU has no AVX2 and FMA");
+    return k::set_attention_avx2(value);
+  }, "avx2"_a,
+        "Runs the tree attention's AVX2 build even where the CPU has AVX-512 (True) or lets the "
+        "CPU choose again; returns the previous setting.");
   m.def("num_threads", &k::num_threads, "OpenMP threads of the parallel loops.");
   m.def("has_avx512_bf16", &k::has_avx512_bf16);
   m.def("packed_bf16_panels", &k::packed_bf16_panels, "out_features"_a);

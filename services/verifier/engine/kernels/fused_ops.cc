@@ -34,6 +34,7 @@ using detail::round_to;
 constexpr int64_t kParallelRows = 32;
 
 std::atomic<bool> portable{false};
+std::atomic<bool> attention_avx2{false};  // set_attention_avx2
 
 // Row [count] of `base` at `offset`, as float32, into out.
 SSSD_CLONES void to_float(const void* base, int64_t offset, int64_t count, Dtype dtype,
@@ -120,7 +121,7 @@ SSSD_CLONES void add_scaled(float* y, float a, const float* x, int64_t n) {
   for (int64_t d = 0; d < n; ++d) y[d] += a * x[d];
 }
 
-// The portable attention of one (row, key head) pair, for CPUs without AVX-512: for each query
+// The portable attention of one (row, key head) pair, for CPUs without AVX-512 or AVX2: for each query
 // (node j, query head k of the group), the same sums in the same order as the AVX-512 one
 // (attention_avx512.cc) up to the order within a dot product: scores over the visible keys,
 // their maximum, then the weights and the weighted values added in key order. Each key and
@@ -188,6 +189,8 @@ bool has_avx512() {
 }
 
 bool set_portable(bool value) { return portable.exchange(value); }
+
+bool set_attention_avx2(bool value) { return attention_avx2.exchange(value); }
 
 int32_t num_threads() { return omp_get_max_threads(); }
 
@@ -375,7 +378,7 @@ void attention(const void* q, const void* key_cache, const void* value_cache,
   const AttentionProblem problem{q,     key_cache, value_cache, cache_lens, tree_bits, out,
                                  first_slot, num_seqs, num_nodes, heads, kv_heads, head_dim,
                                  capacity, scale, dtype};
-  const bool vector = !portable.load() && has_avx512();
+  const bool vector = !portable.load() && !attention_avx2.load() && has_avx512();
   const bool avx2 = !portable.load() && !vector && has_avx2_fma();
   const int64_t items = num_seqs * kv_heads;
 #pragma omp parallel for schedule(dynamic, 1) if (items > 1)

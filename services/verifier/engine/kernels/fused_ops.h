@@ -28,6 +28,10 @@ bool has_avx512();
 // paths); returns the previous setting.
 bool set_portable(bool portable);
 
+// Runs the AVX2 attention even where the CPU has AVX-512 (True; tests run it on every CPU that
+// has AVX2) or lets the CPU choose again; returns the previous setting.
+bool set_attention_avx2(bool avx2);
+
 // OpenMP threads the parallel loops use (PyTorch's setting when the runtime is shared).
 int32_t num_threads();
 
