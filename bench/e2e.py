@@ -24,6 +24,7 @@ Prints one JSON object per (mode, batch, policy) on stdout:
   draft_accepted_per_step     draft tokens accepted per sequence per step (tokens_per_step - 1)
   draft_ms_per_step           mean wall time of the batched drafter call per step
   verify_ms_per_step          mean wall time of the verification forward pass per step
+  verify_ms_by_budget         the same for the steps of each budget (budget_counts: how many)
   tpot_ms_median              median over the prompts of each answer's time per output token
                               after its first (TPOT as vLLM's benchmark client measures it)
   speedup_tpot_median         median over the prompts of ar's TPOT over this one's for the same
@@ -142,6 +143,8 @@ class Run:
             "prefill_s": stats.prefill_s, "num_steps": stats.num_steps,
             "draft_failures": stats.num_draft_failures,
             "budget_counts": {str(k): v for k, v in sorted(stats.budget_counts.items())},
+            "verify_ms_by_budget": {str(k): round(1e3 * stats.verify_s_by_budget[k] / v, 1)
+                                    for k, v in sorted(stats.budget_counts.items())},
             "tpot_ms_median": 1e3 * statistics.median(timed) if (timed := [
                 t for t in self.tpots if t is not None]) else None,
         }

@@ -49,6 +49,7 @@ class EngineStats:
     num_draft_failures: int = 0  # steps decoded without speculation because the proposer failed
     num_draft_errors: int = 0  # proposer errors, NOT_FOUND (answered by a resend) included
     budget_counts: dict[int, int] = field(default_factory=dict)  # steps per chosen budget
+    verify_s_by_budget: dict[int, float] = field(default_factory=dict)  # verify_s per budget
 
     def add(self, step: StepOutput) -> None:
         self.prefill_s += step.prefill_s
@@ -61,6 +62,8 @@ class EngineStats:
         self.num_row_steps += step.num_verified
         self.verify_s += step.verify_s
         self.budget_counts[step.budget] = self.budget_counts.get(step.budget, 0) + 1
+        self.verify_s_by_budget[step.budget] = \
+            self.verify_s_by_budget.get(step.budget, 0.0) + step.verify_s
         for row in step.rows:
             if row.is_verified:
                 self.num_accepted += row.num_accepted
