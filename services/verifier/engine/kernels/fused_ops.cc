@@ -121,8 +121,8 @@ SSSD_CLONES void add_scaled(float* y, float a, const float* x, int64_t n) {
   for (int64_t d = 0; d < n; ++d) y[d] += a * x[d];
 }
 
-// The portable attention of one (row, key head) pair, for CPUs without AVX-512 or AVX2: for each query
-// (node j, query head k of the group), the same sums in the same order as the AVX-512 one
+// The portable attention of one (row, key head) pair, for CPUs without AVX-512 or AVX2: for each
+// query (node j, query head k of the group), the same sums in the same order as the AVX-512 one
 // (attention_avx512.cc) up to the order within a dot product: scores over the visible keys,
 // their maximum, then the weights and the weighted values added in key order. Each key and
 // value is widened to float32 once for all the group's queries and nodes that see it.
