@@ -1,7 +1,7 @@
 """vLLM itself verifying drafts from our drafter service: greedy outputs equal vLLM without
 speculation, a drafter killed mid-run changes nothing, a drafter of another tokenizer is refused.
 
-These run in .venv-vllm (scripts/setup_vllm.sh; scripts/test.sh runs them there beside the main
+These run in .venv-vllm (scripts/setup_vllm.sh; scripts/test.sh runs them there after the main
 suite) and are skipped where vLLM is not installed. vLLM 0.32's CPU build, SmolLM2-135M in
 float32 from `sssd.vllm.export_model`, engines in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
 so that the proposer's counters can be read; the drafter is a real `sssd-drafter` process on
