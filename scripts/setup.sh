@@ -13,6 +13,8 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+# pip byte-compiles at install time (no --no-compile): where PYTHONDONTWRITEBYTECODE is set, as
+# on the CI machine, nothing else would, and every process would compile torch on import.
 
 if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
   echo "[setup] installing torch==2.13.0 (CPU)" >&2
