@@ -14,7 +14,7 @@ CODES = {torch.float32: 0, torch.bfloat16: 1}
 # the output to 8 bits of mantissa (|values| of attention outputs stay below about 2).
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
 # The attention's paths, each where the CPU can run it: AVX-512, AVX2 (forced on a CPU that has
-# AVX-512 too), and the portable loops. The argmax has two (argmax_path).
+# AVX-512 too), and the portable loops. The argmax has two: its test picks them from these.
 PATHS = ["avx512", "avx2", "portable"]
 CAN_RUN = {"avx512": _kernels.has_avx512, "avx2": _kernels.has_avx2_fma, "portable": lambda: True}
 
@@ -28,16 +28,6 @@ def path(request):
     yield request.param
     _kernels.set_portable(previous_portable)
     _kernels.set_attention_avx2(previous_avx2)
-
-
-@pytest.fixture(params=["avx512", "portable"])
-def argmax_path(request):
-    """The argmax's own paths: AVX-512 where the CPU has it, and the portable loop."""
-    if request.param == "avx512" and not _kernels.has_avx512():
-        pytest.skip("this CPU has no AVX-512: its argmax is the portable one")
-    previous = _kernels.set_portable(request.param == "portable")
-    yield request.param
-    _kernels.set_portable(previous)
 
 
 def tree_bits(parents: list[int], padded_to: int) -> list[int]:
@@ -315,7 +305,8 @@ def test_rope_and_store_rotates_and_writes_the_cache(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("vocab", [1, 17, 100, 49152, 151936])  # odd tails; both models' rows
-def test_argmax_gives_torchs_indices(argmax_path, dtype, vocab):
+@pytest.mark.parametrize("path", ["avx512", "portable"], indirect=True)  # no AVX2 argmax
+def test_argmax_gives_torchs_indices(path, dtype, vocab):
     """Greedy verification's token per node: the same index as torch.argmax on every row, ties
     to the first maximum, a NaN counted as the maximum (its first), -0.0 equal to 0.0, and
     bfloat16 logits read as torch reads them."""
