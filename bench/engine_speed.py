@@ -202,12 +202,12 @@ def memory_bandwidth() -> float:
     each read once as the matrix products read their weights (sssd._kernels.read_bytes: both
     threads, vectors of AVX-512 or AVX2, prefetched), else by a tensor sum (which reads slower
     than the products can: the floor is then too low). The buffer is on 2 MiB
-    pages, as the engine's weights are (verifier/engine/huge_pages.py): a floor read on 4 KiB
+    pages, as the engine's weights are (common/model/huge_pages.py): a floor read on 4 KiB
     pages pays TLB misses that the engine's steps no longer pay, and steps came out under it."""
     import torch
 
     from sssd import _kernels
-    from sssd.verifier.engine.huge_pages import empty_on_huge_pages
+    from sssd.common.model.huge_pages import empty_on_huge_pages
 
     buffer = empty_on_huge_pages(2 << 30).view(torch.float32).fill_(1.0)
     num_bytes = buffer.numel() * 4

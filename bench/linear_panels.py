@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="also write the JSON lines here")
     args = parser.parse_args(argv)
 
-    from sssd.verifier.engine.decoder import (
+    from sssd.common.model.decoder import (
         DTYPE_CODES,
         Linear,
         _amx_usable,

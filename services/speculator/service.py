@@ -74,7 +74,7 @@ def build_speculator(config: SpeculatorConfig,
         model = truncated(model, config.draft_layers)
     device = resolve_device(config.device)  # ValueError where the device is missing
     model = model.to(device)
-    runner = DraftRunner(model, config.max_sequences, config.max_len, device)
+    runner = DraftRunner(model, config.max_sequences, config.max_len, device, config.model_impl)
     speculator = Speculator(
         runner, vocab_size=loaded.vocab_size, fingerprint=loaded.fingerprint,
         lookahead=config.lookahead, fanout_budget=config.fanout_budget,

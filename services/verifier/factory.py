@@ -13,6 +13,7 @@ import torch
 from sssd import _kernels
 from sssd.common.model.device import processor_name, resolve_device
 from sssd.common.model.loader import LoadedModel, load_causal_lm
+from sssd.common.model.tree_batch import MAX_TREE_BITS_NODES
 from sssd.verifier.engine.budget_policy import (
     DEFAULT_ACCEPTANCE_PRIOR,
     BudgetPolicy,
@@ -28,7 +29,6 @@ from sssd.verifier.engine.budget_policy import (
 from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.engine.engine import Engine
 from sssd.verifier.engine.model_runner import ModelRunner
-from sssd.verifier.engine.tree_batch import MAX_TREE_BITS_NODES
 from sssd.verifier.proposers import make_proposer
 
 logger = logging.getLogger(__name__)

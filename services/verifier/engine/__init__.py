@@ -1,7 +1,7 @@
 """sssd.verifier.engine: the target model's decoding engine, pure compute.
 
-Model runner and its own forward pass for Llama and Qwen2 models (decoder.py, with the fused
-CPU operations of kernels/, the C++ module sssd._kernels), slot KV cache, tree batches,
+The model runner over the project's own forward pass for Llama and Qwen2 models
+(sssd.common.model.decoder, with the C++ operations of kernels/, the module sssd._kernels),
 acceptance, sampling, the scheduler, the budget policy and the step that ties them together.
 No grpc, no Ray, no drafter: drafting sources meet the engine through
 `sssd.common.drafting.proposer.Proposer` (drafting.py).

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from sssd.common.config.flags import option
 from sssd.common.model.device import DEVICE_HELP, check_device
+from sssd.common.model.impls import MODEL_IMPLS
 from sssd.common.rpc.targets import parse_targets
 
 # ar: no speculation (the baseline); prompt_lookup: input trie only; sssd: trie + datastore;
@@ -16,7 +17,6 @@ MODES = ("ar", "prompt_lookup", "sssd", "ssd")
 BUDGET_POLICIES = ("rule", "measured")
 DTYPES = ("bfloat16", "float32")
 ATTENTIONS = ("sdpa", "eager")
-MODEL_IMPLS = ("auto", "sssd", "transformers")  # model_runner.MODEL_IMPLS
 # Where the measured policy keeps its profile and, beside it, its acceptance statistics, so that
 # both persist across starts (relative to the working directory of the process that builds the
 # configuration: made absolute there, so that Ray workers elsewhere find the same files).

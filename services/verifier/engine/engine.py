@@ -25,9 +25,9 @@ import torch
 
 from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.drafting.proposer import Proposer
+from sssd.common.model.decoder import argmax_last
 from sssd.verifier.engine.acceptance import AcceptResult, accept_greedy, draws_at_positions
 from sssd.verifier.engine.budget_policy import BudgetPolicy
-from sssd.verifier.engine.decoder import argmax_last
 from sssd.verifier.engine.detokenizer import Decode, IncrementalDetokenizer, find_stop
 from sssd.verifier.engine.drafting import Drafting, Drafts
 from sssd.verifier.engine.handoff import PrefilledPrompt

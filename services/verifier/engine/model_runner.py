@@ -1,7 +1,7 @@
 """Runs the target model over prompts (prefill) and over batches of draft trees (verification).
 
 Two implementations of the forward pass (EngineConfig.model_impl):
-- sssd: the verifier's own (decoder.py), for the Llama and Qwen2 families;
+- sssd: the project's own (sssd.common.model.decoder), for the Llama and Qwen2 families;
 - transformers: the transformers model's forward over the same KV cache, for every other
   architecture and as the reference the tests hold the first one to.
 """
@@ -10,57 +10,27 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from collections.abc import Sequence
 
 import torch
 
 from sssd.common.drafting.draft_tree import DraftTree
+from sssd.common.model.decoder import Segment, decoder_for
 from sssd.common.model.kv_cache import SlotKVCache
-from sssd.verifier.engine.decoder import Decoder, Segment, UnsupportedModel
-from sssd.verifier.engine.handoff import PrefilledPrompt
-from sssd.verifier.engine.tree_batch import (
+from sssd.common.model.tree_batch import (
     KV_ALIGN,
     MAX_TREE_BITS_NODES,
     TreeBatch,
     build_tree_batch,
     chain_tree,
 )
+from sssd.verifier.engine.handoff import PrefilledPrompt
 
 logger = logging.getLogger(__name__)
 
-MODEL_IMPLS = ("auto", "sssd", "transformers")
 # Nodes per tree of the fixed verification shape on CUDA (ModelRunner's fixed_nodes), unless
 # the engine names its largest budget.
 DEFAULT_FIXED_NODES = 32
-# One Decoder per loaded model: runners that share a model (a prefill and a decode worker in one
-# process, the tests) share its prepacked weights too.
-_decoders: weakref.WeakKeyDictionary[torch.nn.Module, Decoder] = weakref.WeakKeyDictionary()
-
-
-def decoder_for(model: torch.nn.Module, impl: str) -> Decoder | None:
-    """The Decoder of `model` for `impl` (MODEL_IMPLS), or None for the transformers forward.
-    auto: the Decoder where the model's architecture is implemented, else the transformers
-    forward with a log line saying why; sssd: raises UnsupportedModel where it is not."""
-    if impl not in MODEL_IMPLS:
-        raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {impl!r}")
-    if impl == "transformers":
-        return None
-    reason = Decoder.supports(model)
-    if reason is not None:
-        if impl == "sssd":
-            raise UnsupportedModel(f"the verifier's own forward pass does not implement {reason}")
-        logger.info("model runner: the transformers forward pass (the verifier's own does not "
-                    "implement %s)", reason)
-        return None
-    decoder = _decoders.get(model)
-    if decoder is None:
-        start = time.perf_counter()
-        decoder = _decoders[model] = Decoder(model)
-        logger.info("model runner: the verifier's own forward pass (%s, %s; weights prepared "
-                    "in %.1f s)", model.config.model_type, str(decoder.dtype).removeprefix(
-                        "torch."), time.perf_counter() - start)
-    return decoder
 
 
 class ModelRunner:
@@ -71,7 +41,7 @@ class ModelRunner:
                  fixed_nodes: int | None = None) -> None:
         """`attention`: the transformers forward's attention kernel (EngineConfig.attention). It
         is a setting of the model object, so runners that share one loaded model share it too.
-        `model_impl`: which forward pass (MODEL_IMPLS, see decoder_for).
+        `model_impl`: which forward pass (sssd.common.model.impls, see decoder_for).
 
         `fixed_nodes`: run every verification pass of up to that many nodes per tree at one
         shape, [max_seqs, fixed_nodes] tokens (padding nodes attend only to themselves; padding

@@ -47,7 +47,7 @@ def packed_bf16_products_are_row_invariant() -> bool:
     """The decoder's bfloat16 products as it runs them here (on the AMX tile unit or the
     AVX-512 panels where the CPU has them, from one row up; else oneDNN, from two rows up),
     every projection shape of the default model, on several inputs."""
-    from sssd.verifier.engine.decoder import Linear, _amx_usable, _oneDNN_usable, _panels_usable
+    from sssd.common.model.decoder import Linear, _amx_usable, _oneDNN_usable, _panels_usable
 
     cpu = torch.device("cpu")
     if _amx_usable(torch.bfloat16, cpu):

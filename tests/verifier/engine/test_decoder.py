@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sssd.common.drafting.draft_tree import DraftTree
-from sssd.verifier.engine.decoder import Decoder, UnsupportedModel
+from sssd.common.model.decoder import Decoder, UnsupportedModel
 from sssd.verifier.engine.model_runner import ModelRunner
 
 # float32 logits of the two forward passes differ by the order of their sums only: measured
@@ -126,7 +126,7 @@ def test_rotary_tables_are_the_models_own_values(target_model_fp32):
 def test_an_unimplemented_architecture_falls_back_with_a_log_line(caplog):
     model = tiny_model("llama", hidden_act="gelu")
     assert "activation 'gelu'" in Decoder.supports(model)
-    with caplog.at_level(logging.INFO, logger="sssd.verifier.engine.model_runner"):
+    with caplog.at_level(logging.INFO, logger="sssd.common.model.decoder"):
         runner = ModelRunner(model, max_seqs=1, max_len=64, model_impl="auto")
     assert runner.impl == "transformers"
     assert "does not implement activation 'gelu'" in caplog.text
@@ -151,8 +151,8 @@ def test_a_prompt_attends_causally_over_its_own_keys_without_the_square_of_score
     apply, takes PyTorch's flash kernel (is_causal), which never holds its n x n scores; it
     equals the masked two-product attention it replaced, and only a single chain written from
     position 0 takes it."""
-    from sssd.verifier.engine.decoder import grouped_attention, prompt_attention
-    from sssd.verifier.engine.tree_batch import build_tree_batch, chain_tree
+    from sssd.common.model.decoder import grouped_attention, prompt_attention
+    from sssd.common.model.tree_batch import build_tree_batch, chain_tree
 
     prompt = chain_tree(np.arange(3, 303))
     batch = build_tree_batch([prompt], [0], torch.float32)
@@ -177,7 +177,7 @@ def test_a_bfloat16_model_where_onednn_cannot_prepack_it_gets_panels_or_plain_we
     """On CPUs without AVX-512 (AMD Zen 2 and 3, say) oneDNN raises when asked to prepack a
     bfloat16 weight: the decoder asks first and takes the panels' AVX2 build, or keeps the
     weights as they are where no panels run either; asked to pack anyway, it says why not."""
-    from sssd.verifier.engine import decoder as decoder_module
+    from sssd.common.model import decoder as decoder_module
 
     model = tiny_model("llama").to(torch.bfloat16)
     monkeypatch.setattr(decoder_module, "_oneDNN_packs", lambda dtype: False)

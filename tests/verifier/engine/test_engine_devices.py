@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from sssd.common.drafting.draft_tree import DraftTree
+from sssd.common.model.decoder import Decoder
 from sssd.common.model.loader import load_causal_lm
 from sssd.verifier.engine import EngineConfig, GenerateRequest, SamplingParams
-from sssd.verifier.engine.decoder import Decoder
 from sssd.verifier.engine.model_runner import ModelRunner
 from sssd.verifier.factory import build_engine
 

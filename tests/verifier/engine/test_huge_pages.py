@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sssd.verifier.engine import huge_pages
-from sssd.verifier.engine.huge_pages import HUGE_PAGE, move_into_huge_pages
+from sssd.common.model import huge_pages
+from sssd.common.model.huge_pages import HUGE_PAGE, move_into_huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -74,7 +74,7 @@ def test_where_the_os_has_them_the_weights_are_on_huge_pages(monkeypatch):
 def test_the_decoder_keeps_its_packed_weights_in_one_buffer(monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from sssd.verifier.engine.decoder import Decoder
+    from sssd.common.model.decoder import Decoder
 
     monkeypatch.delenv(huge_pages.ENV, raising=False)
     torch.manual_seed(0)

@@ -310,7 +310,7 @@ def test_argmax_gives_torchs_indices(path, dtype, vocab):
     """Greedy verification's token per node: the same index as torch.argmax on every row, ties
     to the first maximum, a NaN counted as the maximum (its first), -0.0 equal to 0.0, and
     bfloat16 logits read as torch reads them."""
-    from sssd.verifier.engine.decoder import argmax_last
+    from sssd.common.model.decoder import argmax_last
 
     generator = torch.Generator().manual_seed(vocab)
     logits = torch.randn(5, 3, vocab, generator=generator).to(dtype)

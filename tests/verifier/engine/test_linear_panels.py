@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sssd import _kernels
-from sssd.verifier.engine.decoder import Linear, pack_panels
+from sssd.common.model.decoder import Linear, pack_panels
 
 pytestmark = pytest.mark.skipif(not _kernels.panels_instructions(1),
                                 reason="this CPU has neither AVX-512 nor AVX2 and FMA: the "

@@ -13,7 +13,7 @@ import torch
 
 from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.model.kv_cache import SlotKVCache
-from sssd.verifier.engine.tree_batch import build_tree_batch
+from sssd.common.model.tree_batch import build_tree_batch
 
 HEADS, HEAD_DIM, MAX_LEN = 2, 8, 64
 

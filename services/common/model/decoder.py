@@ -1,6 +1,8 @@
-"""The verifier's own forward pass for decoder-only transformers of the Llama and Qwen2 families
+"""The project's own forward pass for decoder-only transformers of the Llama and Qwen2 families
 (SmolLM2, Qwen2.5): the transformers model is the weight loader and the exactness reference, and
-this is what runs every step.
+this is what runs every step of the verifier's target model (verifier/engine/model_runner.py)
+and of the speculator's draft model (speculator/runner.py, through `hidden_states`: its steps'
+nodes see what a mask allows rather than a tree's ancestors).
 
 A step of a small model on a CPU costs more in dispatch than in arithmetic when it goes through
 the transformers modules, and a plain `linear` streams the weights at a fraction of the memory
@@ -31,13 +33,16 @@ bandwidth. Here each layer is a handful of tensor operations on weights prepared
   the residual add, rotary embedding with the cache write, attention, SiLU and product), where
   PyTorch would dispatch a dozen small operations per layer, each costing more than its work.
 
-`Decoder.supports(model)` says whether a model can run here; the model runner falls back to the
+`Decoder.supports(model)` says whether a model can run here; `decoder_for` falls back to the
 transformers forward otherwise, and logs why.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,9 +51,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sssd import _kernels
+from sssd.common.model.huge_pages import move_into_huge_pages
+from sssd.common.model.impls import MODEL_IMPLS
 from sssd.common.model.kv_cache import SlotKVCache
-from sssd.verifier.engine.huge_pages import move_into_huge_pages
-from sssd.verifier.engine.tree_batch import TreeBatch
+from sssd.common.model.tree_batch import TreeBatch
 
 FAMILIES = ("llama", "qwen2")
 # The fewest rows a product prepacked for oneDNN runs on (see _layers_fused): oneDNN rounds a
@@ -58,6 +64,8 @@ FAMILIES = ("llama", "qwen2")
 MIN_PRODUCT_ROWS = 4
 AMX_INPUTS = 32  # an AMX tile's inputs: linear_bf16_amx needs in_features a multiple of it
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # sssd._kernels' Dtype
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,17 @@ class Segment:
     # Each node attends over its own keys in text order (TreeBatch.path_keys, path_attention):
     # with the fixed shape, a tree's node computes what plain decoding computes for its text.
     by_path: bool = False
+
+
+@dataclass(frozen=True)
+class MaskedNodes:
+    """A step whose nodes see what an additive mask allows, where a tree's ancestors do not say
+    it: the speculator's, whose branches attend to the chain they grow from and to their own
+    earlier nodes, wherever the cache holds them. The caller has called `cache.begin_step`."""
+
+    input_ids: torch.Tensor  # [num_seqs, num_nodes] int64
+    position_ids: torch.Tensor  # [num_seqs, num_nodes] int64
+    attention_mask: torch.Tensor  # [num_seqs, 1, num_nodes, kv_len] additive, the model's dtype
 
 
 class UnsupportedModel(ValueError):
@@ -479,6 +498,20 @@ class Decoder:
         logits = self._head(rms_norm(x, self.norm, self.eps))  # padding rows too: one shape
         return logits[:kept].view(num_seqs, -1, self.vocab_size)
 
+    def hidden_states(self, nodes: MaskedNodes, cache: SlotKVCache) -> torch.Tensor:
+        """The final norm of the hidden states [num_seqs, num_nodes, hidden_size] of a step of
+        masked nodes, by the PyTorch operations with this decoder's products (its keys and
+        values written where `cache.begin_step` put them); `head` gives the logits of the rows
+        that need them."""
+        num_seqs, num_nodes = nodes.input_ids.shape
+        num_tokens = num_seqs * num_nodes
+        x = self._layers(nodes, cache, max(num_tokens, self.min_rows))[:num_tokens]
+        return rms_norm(x, self.norm, self.eps).view(num_seqs, num_nodes, -1)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The output head over normed rows x [num_rows, hidden_size]: [num_rows, vocab]."""
+        return self._head(x)
+
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """The output head over normed rows x [num_rows, hidden_size]: [num_rows, vocab]."""
         num_rows = x.shape[0]
@@ -497,7 +530,7 @@ class Decoder:
             self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()
         return self._cos, self._sin
 
-    def _layers(self, batch: TreeBatch, cache: SlotKVCache, num_rows: int,
+    def _layers(self, batch: TreeBatch | MaskedNodes, cache: SlotKVCache, num_rows: int,
                 by_path: bool = False) -> torch.Tensor:
         """Every layer as PyTorch operations, the products and norms on `num_rows` rows (the
         batch's tokens, then padding that repeats the last token and attends to nothing), the
@@ -648,3 +681,33 @@ class Decoder:
             _kernels.add_rms_norm(x_ptr, projected.data_ptr(), following.data_ptr(), normed_ptr,
                                   num_rows, hidden, eps, code)
         return normed
+
+
+# One Decoder per loaded model: runners that share a model (a prefill and a decode worker in one
+# process, the tests) share its prepacked weights too.
+_decoders: weakref.WeakKeyDictionary[torch.nn.Module, Decoder] = weakref.WeakKeyDictionary()
+
+
+def decoder_for(model: torch.nn.Module, impl: str) -> Decoder | None:
+    """The Decoder of `model` for `impl` (MODEL_IMPLS), or None for the transformers forward.
+    auto: the Decoder where the model's architecture is implemented, else the transformers
+    forward with a log line saying why; sssd: raises UnsupportedModel where it is not."""
+    if impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {impl!r}")
+    if impl == "transformers":
+        return None
+    reason = Decoder.supports(model)
+    if reason is not None:
+        if impl == "sssd":
+            raise UnsupportedModel(f"the project's own forward pass does not implement {reason}")
+        logger.info("the transformers forward pass (the project's own does not implement %s)",
+                    reason)
+        return None
+    decoder = _decoders.get(model)
+    if decoder is None:
+        start = time.perf_counter()
+        decoder = _decoders[model] = Decoder(model)
+        logger.info("the project's own forward pass (%s, %s; weights prepared in %.1f s)",
+                    model.config.model_type, str(decoder.dtype).removeprefix("torch."),
+                    time.perf_counter() - start)
+    return decoder
