@@ -83,8 +83,9 @@ def model_file(name: str) -> str | None:
 
 
 def engine_worker(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    from sssd.common.model import decoder
     from sssd.common.model.loader import load_causal_lm
-    from sssd.verifier.engine import EngineConfig, EngineStats, decoder
+    from sssd.verifier.engine import EngineConfig, EngineStats
     from sssd.verifier.factory import build_engine
 
     if args.system == "engine-onednn":  # the decoder's products by oneDNN, as before the panels

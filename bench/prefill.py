@@ -50,8 +50,9 @@ def prompts(lengths: list[int], repeats: int, vocab: int = 30_000) -> dict[int, 
 
 
 def engine_worker(args: argparse.Namespace, cases: dict[int, list[list[int]]]):
+    from sssd.common.model import decoder
     from sssd.common.model.loader import load_causal_lm
-    from sssd.verifier.engine import EngineConfig, decoder
+    from sssd.verifier.engine import EngineConfig
     from sssd.verifier.factory import build_engine
 
     # engine-flash: the prompts' attention by PyTorch, as before the engine's own kernel
