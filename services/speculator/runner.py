@@ -113,16 +113,15 @@ class DraftRunner:
         device = self.device
         write_positions = torch.from_numpy(write).to(device)
         self.cache.begin_step(first, num_rows, write_positions, kv_len)
-        ids, positions = torch.from_numpy(input_ids).to(device), \
-            torch.from_numpy(position_ids).to(device)
+        step = MaskedNodes(torch.from_numpy(input_ids).to(device),
+                           torch.from_numpy(position_ids).to(device), mask.to(device))
         if self.own is not None:  # [num_rows, width, hidden], after the final norm
-            hidden = self.own.hidden_states(MaskedNodes(ids, positions, mask.to(device)),
-                                            self.cache)
+            hidden = self.own.hidden_states(step, self.cache)
             head = self.own.head
         else:
-            hidden = self.decoder(input_ids=ids, position_ids=positions,
-                                  attention_mask=mask.to(device), past_key_values=self.cache,
-                                  use_cache=True).last_hidden_state
+            hidden = self.decoder(input_ids=step.input_ids, position_ids=step.position_ids,
+                                  attention_mask=step.attention_mask,
+                                  past_key_values=self.cache, use_cache=True).last_hidden_state
             head = self.head
         for slot, slot_nodes in nodes.items():
             if slot_nodes:

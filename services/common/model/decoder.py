@@ -475,7 +475,7 @@ class Decoder:
             kept.append(rows.reshape(-1, rows.shape[-1]))
             offset += num_seqs * num_nodes
         x = kept[0] if len(kept) == 1 else torch.cat(kept)
-        logits = self._head(x)
+        logits = self.head(x)
         outputs, offset = [], 0
         for segment, rows in zip(segments, kept):
             num_seqs = segment.batch.input_ids.shape[0]
@@ -495,7 +495,7 @@ class Decoder:
             x = x[:num_tokens].view(num_seqs, num_nodes, -1)[:, -segment.logits_to_keep:]
             x = x.reshape(-1, x.shape[-1])
         kept = num_seqs * (segment.logits_to_keep or num_nodes)
-        logits = self._head(rms_norm(x, self.norm, self.eps))  # padding rows too: one shape
+        logits = self.head(rms_norm(x, self.norm, self.eps))  # padding rows too: one shape
         return logits[:kept].view(num_seqs, -1, self.vocab_size)
 
     def hidden_states(self, nodes: MaskedNodes, cache: SlotKVCache) -> torch.Tensor:
@@ -509,10 +509,6 @@ class Decoder:
         return rms_norm(x, self.norm, self.eps).view(num_seqs, num_nodes, -1)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """The output head over normed rows x [num_rows, hidden_size]: [num_rows, vocab]."""
-        return self._head(x)
-
-    def _head(self, x: torch.Tensor) -> torch.Tensor:
         """The output head over normed rows x [num_rows, hidden_size]: [num_rows, vocab]."""
         num_rows = x.shape[0]
         if num_rows < self.min_rows:
