@@ -1,18 +1,27 @@
 #!/usr/bin/env bash
 # Installs everything and runs the whole test suite. CI runs exactly this.
-#   1. scripts/setup.sh, then pytest in .venv: every test (the vLLM engine tests skip there);
+#   1. scripts/setup.sh, then pytest in .venv: every test (the vLLM engine tests skip there), on
+#      two pytest-xdist workers (SSSD_TEST_WORKERS), then the tests marked `serial` (they
+#      measure the machine) alone; tests/conftest.py says how tests are grouped. Run one test at
+#      a time, the suite kept 2 cores 63 % busy (much of it waits for services to start); two
+#      workers fill that. OMP_WAIT_POLICY=PASSIVE: two processes of two OpenMP threads each on 2
+#      cores, their threads spinning at every barrier, took 351 s for two copies of a test file
+#      that took 105 s alone; with threads that sleep instead, 129 s (and 102 s alone);
 #   2. scripts/setup_vllm.sh, then pytest in .venv-vllm: tests/vllm, where vLLM 0.32 (CPU build)
 #      verifies drafts from the drafter service.
-# Arguments go on to the first pytest only, and skip the second: `bash scripts/test.sh -m "not
-# model"` or `bash scripts/test.sh tests/drafter` run a part of the main suite.
+# Arguments go on to one plain pytest in .venv instead (no workers, no vLLM part): `bash
+# scripts/test.sh -m "not model"` or `bash scripts/test.sh tests/drafter` run a part of the suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-status=0
-.venv/bin/python -m pytest -q "$@" || status=$?
 if [ "$#" -gt 0 ]; then
-  exit "$status"
+  exec .venv/bin/python -m pytest -q "$@"
 fi
+status=0
+OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m pytest -q -n "${SSSD_TEST_WORKERS:-2}" \
+  --dist loadgroup -m "not serial" || status=$?
+echo "[test] the tests marked serial, alone" >&2
+.venv/bin/python -m pytest -q -m serial || status=$?
 echo "[test] the vLLM tests, in .venv-vllm" >&2
 bash scripts/setup_vllm.sh
 .venv-vllm/bin/python -m pytest -q tests/vllm || status=$?

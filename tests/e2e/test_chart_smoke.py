@@ -38,7 +38,8 @@ pytest.importorskip("helm_python")
 pytest.importorskip("ray")
 yaml = pytest.importorskip("yaml")
 
-pytestmark = pytest.mark.model  # the processes load the default model
+pytestmark = [pytest.mark.model,  # the processes load the default model
+              pytest.mark.xdist_group("ray")]  # see tests/conftest.py
 
 VALUES = {
     "drafter": {"replicas": 2, "autoscaling": {"enabled": False}, "numThreads": 1},

@@ -2,6 +2,7 @@
 Redis server."""
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -30,17 +31,28 @@ def wait_until():
 def free_port():
     """free_port(): a TCP port on 127.0.0.1 that nothing listens on right now, never one it
     gave before in this session (the OS may hand a just-closed port out again: two services of
-    one test then got the same port, which `sssd up` refuses)."""
+    one test then got the same port, which `sssd up` refuses). It draws from 20000-32767, below
+    Linux's ephemeral range, so no outgoing connection takes the port before the service binds
+    it; under pytest-xdist worker gwK of N draws only ports with port % N == K, so two workers
+    never draw the same one. (Not the OS's bind to port 0 filtered by worker: Linux hands such
+    binds odd ports, which left an even worker none.)"""
     given = set()
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    residue = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")) % workers
+    draw = random.Random()
 
     def pick():
         while True:
+            port = draw.randrange(20000 + residue, 32768, workers)
+            if port in given:
+                continue
             with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            if port not in given:
-                given.add(port)
-                return port
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            given.add(port)
+            return port
 
     return pick
 

@@ -427,6 +427,7 @@ def test_a_long_stretch_at_one_budget_does_not_drift_the_pace(seed):
     assert 0.55 < plain / tree < 0.85, (plain, tree)  # 0.04 / 0.06 at one pace
 
 
+@pytest.mark.serial  # it measures what other processes keep busy: no other test beside it
 def test_a_busy_machine_is_other_processes_work_not_this_ones():
     """Whether a profile is taken on a busy machine counts the cores other processes keep busy:
     this process's own work (a model just loaded and converted) is left out, which the load
