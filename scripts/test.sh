@@ -2,11 +2,8 @@
 # Installs everything and runs the whole test suite. CI runs exactly this.
 #   1. scripts/setup.sh, then pytest in .venv: every test (the vLLM engine tests skip there), on
 #      two pytest-xdist workers (SSSD_TEST_WORKERS), then the tests marked `serial` (they
-#      measure the machine) alone; tests/conftest.py says how tests are grouped. Run one test at
-#      a time, the suite kept 2 cores 63 % busy (much of it waits for services to start); two
-#      workers fill that. OMP_WAIT_POLICY=PASSIVE: two processes of two OpenMP threads each on 2
-#      cores, their threads spinning at every barrier, took 351 s for two copies of a test file
-#      that took 105 s alone; with threads that sleep instead, 129 s (and 102 s alone);
+#      measure the machine) alone; why two workers and OMP_WAIT_POLICY=PASSIVE, and how tests
+#      are grouped: docs/development.md ("Tests");
 #   2. scripts/setup_vllm.sh, then pytest in .venv-vllm: tests/vllm, where vLLM 0.32 (CPU build)
 #      verifies drafts from the drafter service.
 # Arguments go on to one plain pytest in .venv instead (no workers, no vLLM part): `bash

@@ -33,7 +33,6 @@ MODEL_FIXTURES = {"tokenizer", "target_model_fp32", "target_model_bf16", "mt_ben
 # service starts once; the modules that start a local Ray cluster are the group "ray" (one worker,
 # one cluster at a time: Ray's session files under /tmp/ray are machine-wide). The groups mean
 # nothing to a plain `pytest` run.
-RAY = "ray"
 
 
 def pytest_collection_modifyitems(config, items):
