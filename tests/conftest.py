@@ -28,16 +28,16 @@ MODEL_FIXTURES = {"tokenizer", "target_model_fp32", "target_model_bf16", "mt_ben
                   "greedy_references", "warm_datastore", "engine_factory", "make_speculator"}
 
 
-# scripts/test.sh runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`), then the
-# tests marked `serial` alone. Under it a module's tests stay on one worker, so a module-scoped
-# service starts once; the modules that start a local Ray cluster are the group "ray" (one worker,
-# one cluster at a time: Ray's session files under /tmp/ray are machine-wide). The groups mean
-# nothing to a plain `pytest` run.
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.model)
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (scripts/test.sh), whole modules go to a worker and the modules that
+    start a local Ray cluster share one: support/workers.py."""
+    from support.workers import ModuleScheduling
+
+    return ModuleScheduling(config, log)

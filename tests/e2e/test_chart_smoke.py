@@ -38,8 +38,7 @@ pytest.importorskip("helm_python")
 pytest.importorskip("ray")
 yaml = pytest.importorskip("yaml")
 
-pytestmark = [pytest.mark.model,  # the processes load the default model
-              pytest.mark.xdist_group("ray")]  # see tests/conftest.py
+pytestmark = pytest.mark.model  # the processes load the default model
 
 VALUES = {
     "drafter": {"replicas": 2, "autoscaling": {"enabled": False}, "numThreads": 1},

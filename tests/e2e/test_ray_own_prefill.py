@@ -19,7 +19,6 @@ from sssd.verifier.serving.frontend import FrontendConfig, start_frontend
 from support.streams import stream_concurrently, token_ids
 
 ray = pytest.importorskip("ray")  # installed by scripts/setup.sh (the serve extra)
-pytestmark = pytest.mark.xdist_group("ray")  # one local Ray cluster at a time: tests/conftest.py
 
 MAX_TOKENS = 32
 

@@ -13,7 +13,6 @@ from sssd.cli.up import describe_workers
 from sssd.verifier.serving.config import RayConfig
 
 pytest.importorskip("ray")
-pytestmark = pytest.mark.xdist_group("ray")  # one local Ray cluster at a time: tests/conftest.py
 
 
 def test_sssd_up_once_serves_a_prompt_and_stops(tmp_path, warm_datastore, free_port, pki):
