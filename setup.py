@@ -1,7 +1,7 @@
 """Packaging: services/ is the package `sssd` (services/<name>/ is `sssd.<name>`), with two
 extension modules built by CMake (CMakeLists.txt) and copied next to the Python sources: the C++
-drafter core (services/drafter/core/) as `sssd._core`, and the verifier's fused CPU operations
-(services/verifier/engine/kernels/) as `sssd._kernels`.
+drafter core (services/drafter/core/) as `sssd._core`, and the model's fused CPU operations
+(services/common/model/kernels/) as `sssd._kernels`.
 
 `pip install -e .` (what scripts/setup.sh runs) is an editable install: Python edits under
 services/ take effect on the next run; a C++ edit needs `bash scripts/build_core.sh`. The CMake

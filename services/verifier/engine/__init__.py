@@ -1,7 +1,7 @@
 """sssd.verifier.engine: the target model's decoding engine, pure compute.
 
 The model runner over the project's own forward pass for Llama and Qwen2 models
-(sssd.common.model.decoder, with the C++ operations of kernels/, the module sssd._kernels),
+(sssd.common.model.decoder, with the C++ operations of common/model/kernels/, sssd._kernels),
 acceptance, sampling, the scheduler, the budget policy and the step that ties them together.
 No grpc, no Ray, no drafter: drafting sources meet the engine through
 `sssd.common.drafting.proposer.Proposer` (drafting.py).
