@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from sssd.common.model.decoder import MaskedNodes, decoder_for
-from sssd.common.model.kv_cache import SlotKVCache
+from sssd.common.model.kv_cache import SlotKVCache, cache_keyword
 
 # The step's key length is rounded up to this (fewer distinct shapes; no invariance needed).
 _KV_ALIGN = 32
@@ -68,6 +68,7 @@ class DraftRunner:
                                  head_dim=head_dim, dtype=self.dtype, device=device)
         self.capacity = self.cache.capacity
         self.decoder = model.base_model  # the transformer without its head
+        self._cache_keyword = cache_keyword(self.decoder)
         self.head = model.get_output_embeddings()
         self.vocab_size = self.head.weight.shape[0]
         # Per slot: one past the highest cache position holding KV still needed. Padding
@@ -120,8 +121,8 @@ class DraftRunner:
             head = self.own.head
         else:
             hidden = self.decoder(input_ids=step.input_ids, position_ids=step.position_ids,
-                                  attention_mask=step.attention_mask,
-                                  past_key_values=self.cache, use_cache=True).last_hidden_state
+                                  attention_mask=step.attention_mask, use_cache=True,
+                                  **{self._cache_keyword: self.cache}).last_hidden_state
             head = self.head
         for slot, slot_nodes in nodes.items():
             if slot_nodes:

@@ -18,6 +18,7 @@ transformers' attention uses for its own caches), so no model code is patched.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +29,14 @@ import torch
 # so keys that only change the length (masked, weight exactly 0) still moved which products
 # were added in the tail, and bf16 logits changed with the batch (test_batch_invariance.py).
 KV_ALIGN = 128
+
+
+def cache_keyword(module: torch.nn.Module) -> str:
+    """The keyword under which `module`'s forward (a transformers model) takes a cache:
+    transformers 5.24 renamed `past_key_values` to `cache` (the old name warns until its removal
+    in 5.40), and the earlier 5.x releases know only the old one."""
+    parameters = inspect.signature(module.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 class SlotKVCache:

@@ -16,7 +16,7 @@ import torch
 
 from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.model.decoder import Segment, decoder_for
-from sssd.common.model.kv_cache import SlotKVCache
+from sssd.common.model.kv_cache import SlotKVCache, cache_keyword
 from sssd.common.model.tree_batch import (
     KV_ALIGN,
     MAX_TREE_BITS_NODES,
@@ -57,6 +57,7 @@ class ModelRunner:
         costs the weights' reading either way."""
         config = model.config
         self.model = model
+        self._cache_keyword = cache_keyword(model)
         self.decoder = decoder_for(model, model_impl)
         if getattr(config, "_attn_implementation", None) != attention:
             model.set_attn_implementation(attention)
@@ -204,8 +205,8 @@ class ModelRunner:
             input_ids=batch.input_ids,
             position_ids=batch.position_ids,
             attention_mask=batch.attention_mask,
-            past_key_values=self.cache,
             use_cache=True,
+            **{self._cache_keyword: self.cache},
             logits_to_keep=logits_to_keep,
         )
         return output.logits
