@@ -5,30 +5,22 @@ machine doubles its memory and shares its session files under /tmp/ray.
 
 xdist's own `--dist loadgroup` cannot be used for this: it tags a test's node id with its group,
 and on pytest 9.2 the node id is derived and no longer takes the tag, so every test became its
-own unit (both workers then started Ray clusters at once, and one was lost in CI). This
-scheduler reads the unit from the node id, which it sees whole in the controller.
+own unit (both workers then started Ray clusters at once). This scheduler reads the unit from
+the node id, which it sees whole in the controller.
 """
 
 from __future__ import annotations
 
 from xdist.scheduler import LoadScopeScheduling
 
-# Modules that must share one worker, by group.
-SHARED_WORKER = {
-    "ray": ("tests/e2e/test_up.py", "tests/e2e/test_ray_serving.py",
-            "tests/e2e/test_ray_own_prefill.py", "tests/e2e/test_chart_smoke.py"),
-}
-_GROUP_OF = {module: group for group, modules in SHARED_WORKER.items() for module in modules}
-
-
-def unit_of(nodeid: str) -> str:
-    """The unit of work `nodeid` belongs to: its module, or the group its module shares."""
-    module = nodeid.split("::", 1)[0]
-    return _GROUP_OF.get(module, module)
+RAY_MODULES = ("tests/e2e/test_up.py", "tests/e2e/test_ray_serving.py",
+               "tests/e2e/test_ray_own_prefill.py", "tests/e2e/test_chart_smoke.py")
 
 
 class ModuleScheduling(LoadScopeScheduling):
-    """xdist's scope scheduling with `unit_of` as the scope (units with the most tests first)."""
+    """xdist's scope scheduling (units with the most tests first) with a test's module as its
+    unit, and the Ray modules as the one unit "ray"."""
 
     def _split_scope(self, nodeid: str) -> str:
-        return unit_of(nodeid)
+        module = nodeid.split("::", 1)[0]
+        return "ray" if module in RAY_MODULES else module
