@@ -325,7 +325,9 @@ class MeasuredBudget:
         # A smaller budget costs at most what a larger one was measured to cost: a profile
         # that overprices it must not keep it out until it is explored.
         cap = float("inf")
+        capped = [False] * len(seconds)  # priced above a larger budget's measured cost
         for i in reversed(range(len(seconds))):
+            capped[i] = seconds[i] > cap
             seconds[i] = min(seconds[i], cap)
             if self._calibrated(batch_size, self.candidates[i][1]):
                 cap = seconds[i]
@@ -338,7 +340,7 @@ class MeasuredBudget:
         while best + 1 < len(rates) and seconds[best + 1] <= SAME_COST * seconds[best] and \
                 rates[best + 1] > rates[best]:
             best += 1
-        calibrating = self._to_calibrate(batch_size, seconds, rates[best], accepted)
+        calibrating = self._to_calibrate(batch_size, seconds, capped, rates[best], accepted)
         if calibrating is not None:
             return calibrating
         # Without hindsight the next larger budget is explored (its acceptance); with it the
@@ -365,25 +367,33 @@ class MeasuredBudget:
     def _calibrated(self, batch_size: int, budget: int) -> bool:
         return self._num_observed(batch_size, budget) >= CALIBRATION_STEPS
 
-    def _to_calibrate(self, batch_size: int, seconds: list[float], best_rate: float,
-                      accepted: dict[int, float]) -> int | None:
+    def _to_calibrate(self, batch_size: int, seconds: list[float], capped: list[bool],
+                      best_rate: float, accepted: dict[int, float]) -> int | None:
         """The smallest budget not yet calibrated at this batch size whose rate would beat
         `best_rate` at its lowest possible cost: the cost of the largest smaller budget observed
         here (step costs do not fall as budgets grow), or, once trees have run, its profiled
-        cost rescaled by the trees' median ratio less PROFILE_AGREES if that is more."""
+        cost rescaled by the trees' median ratio less PROFILE_AGREES if that is more. A budget
+        below every one observed here has no floor; where its estimate was `capped` (the
+        profile prices it above what a larger budget was measured to cost, so the profile is
+        off there), the rescaled profile alone bounds it. Else a profile taken under load, which
+        prices every budget alike too high, kept the policy at the first budget it timed and
+        above: a smaller budget, capped at that one's measured cost, never beat it and was
+        never timed (Qwen2.5-Coder-1.5B by replay, `bench/policy_replay.py`: budget 32 on 1,469
+        of 1,471 steps, 0.82x the best fixed budget)."""
         floor = None  # the estimated cost of the largest smaller budget observed so far
-        for (j, s), t in zip(self.candidates, seconds):
+        for (j, s), t, is_capped in zip(self.candidates, seconds, capped):
             observed = self._num_observed(batch_size, s)
-            if not self._calibrated(batch_size, s) and floor is not None and floor < t:
-                lowest = floor
+            if not self._calibrated(batch_size, s) and (floor is not None or is_capped):
+                rescaled = None
                 if s in self._calibrated_batches:
-                    lowest = max(floor, (1.0 - PROFILE_AGREES) * self._expected_seconds(
-                        batch_size, j, s))
+                    rescaled = (1.0 - PROFILE_AGREES) * self._expected_seconds(batch_size, j, s)
                 elif self._tree_ratio is not None:
-                    lowest = max(floor, (1.0 - PROFILE_AGREES) * self._tree_ratio *
-                                 self.profile.time(batch_size, j))
-                optimistic = (1.0 + accepted[s]) / lowest
-                if optimistic > (1.0 + self.tie_tolerance) * best_rate:
+                    rescaled = (1.0 - PROFILE_AGREES) * self._tree_ratio * \
+                        self.profile.time(batch_size, j)
+                lowest = floor if rescaled is None else \
+                    rescaled if floor is None else max(floor, rescaled)
+                if lowest is not None and lowest < t and \
+                        (1.0 + accepted[s]) / lowest > (1.0 + self.tie_tolerance) * best_rate:
                     return s
             if observed:
                 floor = t if floor is None else max(floor, t)
