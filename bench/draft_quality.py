@@ -251,22 +251,28 @@ def parse_config(text: str) -> tuple[str, dict]:
     return name or "default", values
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sets", default="mt_bench,code",
-                        help="comma-separated: mt_bench, code, sharegpt-tune (default "
-                        "mt_bench,code)")
-    parser.add_argument("--prompts", type=int, default=80, help="per set, at most (80)")
+def add_answer_arguments(parser: argparse.ArgumentParser, sets: str, prompts: int) -> None:
+    """The arguments that name the greedy answers a replay reads (`references`): --sets,
+    --prompts, --max-tokens, --dtype, --batch-size and --model."""
+    parser.add_argument("--sets", default=sets,
+                        help=f"comma-separated: mt_bench, code, sharegpt-tune (default {sets})")
+    parser.add_argument("--prompts", type=int, default=prompts,
+                        help=f"per set, at most ({prompts})")
     parser.add_argument("--max-tokens", type=int, default=128, help="answer length (128)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="of the greedy answers (bfloat16)")
     parser.add_argument("--batch-size", type=int, default=8,
-                        help="engine batch for generating the answers (8)")
-    parser.add_argument("--budgets", default="4,8,16,32")
+                        help="engine batch for generating the answers, once (8)")
     parser.add_argument("--model", default=None,
                         help="whose greedy answers: a name of `sssd-models list` (default: "
                         "SmolLM2-135M-Instruct); datastores must be built with its tokenizer")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_answer_arguments(parser, "mt_bench,code", 80)
+    parser.add_argument("--budgets", default="4,8,16,32")
     parser.add_argument("--datastore", action="append", type=Path, default=[],
                         help="datastore(s) to score with (repeatable; default: the ShareGPT "
                         "datastore the main job builds)")

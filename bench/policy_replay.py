@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from draft_quality import references  # noqa: E402
+from draft_quality import add_answer_arguments, references  # noqa: E402
 
 from sssd.verifier.engine.budget_policy import (  # noqa: E402
     DEFAULT_ACCEPTANCE_PRIOR,
@@ -124,18 +124,7 @@ def profile_row(path: Path | None, costs: dict[int, float]) -> ForwardProfile:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sets", default="code,mt_bench",
-                        help="comma-separated: mt_bench, code, sharegpt-tune (default "
-                        "code,mt_bench)")
-    parser.add_argument("--prompts", type=int, default=24, help="per set, at most (24)")
-    parser.add_argument("--max-tokens", type=int, default=128, help="answer length (128)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                        help="of the greedy answers (bfloat16)")
-    parser.add_argument("--batch-size", type=int, default=8,
-                        help="engine batch for generating the answers once (8)")
-    parser.add_argument("--model", default=None,
-                        help="whose greedy answers: a name of `sssd-models list` (default: "
-                        "SmolLM2-135M-Instruct)")
+    add_answer_arguments(parser, "code,mt_bench", 24)
     parser.add_argument("--datastore", type=Path, default=None,
                         help="built with the model's tokenizer (default: the ShareGPT datastore "
                         "the main job builds)")
