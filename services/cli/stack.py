@@ -51,6 +51,21 @@ class Stack:
             self._started.pop().stop()
 
 
+class Line:
+    """A console line said in its place among the components' start lines: nothing to start
+    or stop (drafting inside the engine's process, which the engine's start loads)."""
+
+    def __init__(self, name: str, line: str) -> None:
+        self.name = name
+        self.line = line
+
+    def start(self) -> str:
+        return self.line
+
+    def stop(self) -> None:
+        pass
+
+
 class Monitor:
     """The supervisor (supervisor.py) as a component: it restarts the children added to it
     from its start until its stop."""

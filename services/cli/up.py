@@ -55,7 +55,7 @@ from sssd.cli.datastores import (
 )
 from sssd.cli.models import ensure_fetched, model_label
 from sssd.cli.processes import start_drafter, start_indexer, start_speculator
-from sssd.cli.stack import ChildService, EmbeddedRedis, GenerateApi, Monitor, Stack
+from sssd.cli.stack import ChildService, EmbeddedRedis, GenerateApi, Line, Monitor, Stack
 from sssd.common.config.flags import add_flags, from_args
 from sssd.common.config.logs import configure_logging
 from sssd.common.conversations.publisher import PublishConfig
@@ -276,8 +276,8 @@ def run(args: argparse.Namespace) -> int:
         # The engine's own drafter loads the datastore (the live one: it follows the manifest).
         engine = replace(engine, datastore_dir=str(Path(datastore).absolute()))
         frontend_values["engine"] = engine
-        print(f"[2/5] drafting in the engine's process from {datastore} ({drafter_reason})",
-              flush=True)
+        components.append(Line("drafting in process", f"[2/5] drafting in the engine's process "
+                               f"from {datastore} ({drafter_reason})"))
     else:
         components.append(ChildService("drafter service", lambda: start_drafter(
             datastore, vocab, fingerprint, args.host, args.drafter_port), monitor,

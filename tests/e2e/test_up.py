@@ -151,6 +151,7 @@ def test_sssd_up_drafter_in_process_drafts_from_the_live_datastore(tmp_path, war
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert "[2/5] drafting in the engine's process from var/live/datastore" in out, out
+    assert out.index("[1/5]") < out.index("[2/5]") < out.index("[3/5]"), out  # in their order
     assert "drafter service" not in out
     assert re.search(r"\[speculation: .* tokens per step; first steps: budget ", out), out
     assert "[outputs with and without speculation: identical" in out
