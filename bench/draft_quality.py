@@ -88,19 +88,26 @@ def references(name: str, limit: int, max_tokens: int, dtype: str, batch_size: i
     return [(list(s.prompt_ids), s.output_ids) for s in sequences]
 
 
-def accepted_along(tree, answer: Sequence[int], position: int) -> int:
-    """Draft tokens a greedy verifier accepts: the longest root path that follows the answer
-    from `position` on (the root is the token before it)."""
+def accepted_path(tree, answer: Sequence[int], position: int,
+                  budget: int | None = None) -> list[int]:
+    """The nodes (root excluded) of the longest root path of the tree's first `budget` nodes
+    (None: all) that follows the answer from `position` on: what a greedy verifier of that tree
+    accepts (the root is the token before `position`)."""
     children: dict[int, dict[int, int]] = {}
-    for node in range(1, tree.num_nodes):
+    for node in range(1, tree.num_nodes if budget is None else min(tree.num_nodes, budget)):
         children.setdefault(int(tree.parents[node]), {})[int(tree.token_ids[node])] = node
-    node, accepted = 0, 0
-    while position + accepted < len(answer):
-        node = children.get(node, {}).get(answer[position + accepted])
+    node, path = 0, []
+    while position + len(path) < len(answer):
+        node = children.get(node, {}).get(answer[position + len(path)])
         if node is None:
             break
-        accepted += 1
-    return accepted
+        path.append(node)
+    return path
+
+
+def accepted_along(tree, answer: Sequence[int], position: int) -> int:
+    """Draft tokens a greedy verifier accepts from the whole tree."""
+    return len(accepted_path(tree, answer, position))
 
 
 def replay(drafter, pairs: list[tuple[list[int], list[int]]], budget: int) -> dict:

@@ -30,13 +30,12 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from draft_quality import add_answer_arguments, references  # noqa: E402
+from draft_quality import accepted_path, add_answer_arguments, references  # noqa: E402
 
 from sssd.verifier.engine.budget_policy import (  # noqa: E402
     DEFAULT_ACCEPTANCE_PRIOR,
@@ -45,21 +44,6 @@ from sssd.verifier.engine.budget_policy import (  # noqa: E402
     ForwardProfile,
     MeasuredBudget,
 )
-
-
-def accepted_path(tree, answer: Sequence[int], position: int, budget: int) -> list[int]:
-    """The nodes (root excluded) of the longest root path of the tree's first `budget` nodes
-    that follows the answer from `position` on."""
-    children: dict[int, dict[int, int]] = {}
-    for node in range(1, min(tree.num_nodes, budget)):
-        children.setdefault(int(tree.parents[node]), {})[int(tree.token_ids[node])] = node
-    node, path = 0, []
-    while position + len(path) < len(answer):
-        node = children.get(node, {}).get(answer[position + len(path)])
-        if node is None:
-            break
-        path.append(node)
-    return path
 
 
 def serve(drafter, pairs: list[tuple[list[int], list[int]]], policy, costs: dict[int, float],

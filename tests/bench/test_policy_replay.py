@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from policy_replay import accepted_path, parse_costs, serve  # noqa: E402
+from draft_quality import accepted_path  # noqa: E402
+from policy_replay import parse_costs, serve  # noqa: E402
 
 from sssd.common.drafting.draft_tree import DraftTree  # noqa: E402
 from sssd.verifier.engine.budget_policy import FixedBudget  # noqa: E402

@@ -390,8 +390,7 @@ class MeasuredBudget:
                 elif self._tree_ratio is not None:
                     rescaled = (1.0 - PROFILE_AGREES) * self._tree_ratio * \
                         self.profile.time(batch_size, j)
-                lowest = floor if rescaled is None else \
-                    rescaled if floor is None else max(floor, rescaled)
+                lowest = max((c for c in (floor, rescaled) if c is not None), default=None)
                 if lowest is not None and lowest < t and \
                         (1.0 + accepted[s]) / lowest > (1.0 + self.tie_tolerance) * best_rate:
                     return s

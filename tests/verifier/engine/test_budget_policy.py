@@ -229,7 +229,7 @@ def test_a_profile_that_prices_every_budget_too_high_does_not_keep_the_policy_at
                             hindsight_every=0)
     # accepted: none at budgets 1-2, 1 at 4 and 8, 2 at 16, 2.3 at 32 (node 20 in 3 steps of 10)
     steps = iter(range(10**6))
-    chosen = serve(policy, 1, 120, lambda s, k=None: [[n for n in (
+    chosen = serve(policy, 1, 120, lambda s: [[n for n in (
         (3, 12, 20) if next(steps) % 10 < 3 else (3, 12)) if n < s]] if s > 1 else [[]],
         lambda s: true_ms[s] / 1e3)
     assert chosen[-60:].count(16) >= 54, chosen
@@ -297,9 +297,9 @@ def test_a_profile_taken_under_load_does_not_hold_the_policy_back(machine, profi
     fixed budget, whether its profile was taken on a busy or a quiet machine and whether it then
     serves on a quiet or a busy one (six seeds; the median within 5 %, none beyond 10 %). The
     policy before step times were calibrated served a quiet machine from the busy profile at
-    0.67x of the best budget; before budgets below every timed one were calibrated against the
-    rescaled profile, it served the uniformly busy profile at budget 32 from its fourth step on
-    (a smaller budget was capped at 32's measured cost, so never better, and never timed)."""
+    0.67x of the best budget. (The uniformly busy profile passes here with or without the
+    calibration of budgets below every timed one: this chain's acceptance barely differs
+    between 16 and 32, so 32 never wins at 16's price; the test above reproduces that defect.)"""
     true_seconds = QUIET if machine == "quiet" else BUSY
     profile_seconds = {"quiet": QUIET, "busy": BUSY_PROFILE,
                        "uniformly busy": UNIFORM_BUSY_PROFILE}[profile]
