@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="a step's time is its cost times 1 +- this, uniform (0.05)")
     parser.add_argument("--hindsight-delay", type=int, default=1,
                         help="steps before a hindsight tree is scored (1)")
+    parser.add_argument("--tie-tolerance", type=float, default=None,
+                        help="the policy's tie tolerance (default: MeasuredBudget's)")
     args = parser.parse_args(argv)
 
     from sssd.cli.datastores import pick_datastore
@@ -140,8 +142,9 @@ def main(argv: list[str] | None = None) -> None:
             for seed in range(args.seeds):
                 fixed = {s: serve(drafter, pairs, FixedBudget(s), args.costs, seed, args.noise,
                                   args.hindsight_delay)[0] for s in sorted(args.costs)}
+                tie = {} if args.tie_tolerance is None else {"tie_tolerance": args.tie_tolerance}
                 policy = MeasuredBudget(profile_row(args.profile, args.costs), max(args.costs),
-                                        prior=DEFAULT_ACCEPTANCE_PRIOR)
+                                        prior=DEFAULT_ACCEPTANCE_PRIOR, **tie)
                 rate, counts = serve(drafter, pairs, policy, args.costs, seed, args.noise,
                                      args.hindsight_delay)
                 best = max(fixed, key=fixed.get)
@@ -149,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(json.dumps({"set": set_name, "seed": seed, "datastore": str(datastore),
                                   "fixed_tok_s": {s: round(r, 3) for s, r in fixed.items()},
                                   "measured_tok_s": round(rate, 3), "best_fixed": best,
-                                  "ratio": round(ratios[-1], 4), "budget_counts": counts}),
+                                  "ratio": round(ratios[-1], 4), "budget_counts": counts,
+                                  "tie_tolerance": policy.tie_tolerance}),
                       flush=True)
             print(json.dumps({"set": set_name, "num_prompts": len(pairs), "seeds": args.seeds,
                               "median_ratio": round(statistics.median(ratios), 4),
