@@ -10,4 +10,3 @@ for tie in 0.03 0.01; do
   $PR --costs $SLOW --tie-tolerance $tie > $R/policy-replay-slow-tie$tie.jsonl 2>/dev/null
 done
 $PR --costs $SLOW --profile bench/results/2026-11-30-xeon/busy-profile.json > $R/policy-replay-slow-busy-profile-tie0.01.jsonl 2>/dev/null
-echo done > $R/replays.done
