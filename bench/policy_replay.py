@@ -40,6 +40,7 @@ from draft_quality import accepted_path, add_answer_arguments, references  # noq
 from sssd.verifier.engine.budget_policy import (  # noqa: E402
     DEFAULT_ACCEPTANCE_PRIOR,
     DEFAULT_BUDGETS,
+    TIE_TOLERANCE,
     FixedBudget,
     ForwardProfile,
     MeasuredBudget,
@@ -121,8 +122,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="a step's time is its cost times 1 +- this, uniform (0.05)")
     parser.add_argument("--hindsight-delay", type=int, default=1,
                         help="steps before a hindsight tree is scored (1)")
-    parser.add_argument("--tie-tolerance", type=float, default=None,
-                        help="the policy's tie tolerance (default: MeasuredBudget's)")
+    parser.add_argument("--tie-tolerance", type=float, default=TIE_TOLERANCE,
+                        help=f"the policy's tie tolerance ({TIE_TOLERANCE}, the engine's)")
     args = parser.parse_args(argv)
 
     from sssd.cli.datastores import pick_datastore
@@ -142,9 +143,9 @@ def main(argv: list[str] | None = None) -> None:
             for seed in range(args.seeds):
                 fixed = {s: serve(drafter, pairs, FixedBudget(s), args.costs, seed, args.noise,
                                   args.hindsight_delay)[0] for s in sorted(args.costs)}
-                tie = {} if args.tie_tolerance is None else {"tie_tolerance": args.tie_tolerance}
                 policy = MeasuredBudget(profile_row(args.profile, args.costs), max(args.costs),
-                                        prior=DEFAULT_ACCEPTANCE_PRIOR, **tie)
+                                        prior=DEFAULT_ACCEPTANCE_PRIOR,
+                                        tie_tolerance=args.tie_tolerance)
                 rate, counts = serve(drafter, pairs, policy, args.costs, seed, args.noise,
                                      args.hindsight_delay)
                 best = max(fixed, key=fixed.get)

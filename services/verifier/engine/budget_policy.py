@@ -56,6 +56,7 @@ RECENT_STEPS = 9
 PROFILE_AGREES = 0.15
 CALIBRATED_EXPLORE_FACTOR = 4  # a calibrated neighbour is explored this much more rarely
 SAME_COST = 1.02  # step times within 2 % count as the same cost
+TIE_TOLERANCE = 0.01  # rates within 1 % of the best count as a near-tie (see MeasuredBudget)
 # How fast the machine runs now against when the step times were learned (the pace): the median,
 # over the last RECENT_STEPS steps at settled (b, s)s, of each step's time over its (b, s)'s
 # settled estimate. A (b, s) settles once it has RECENT_STEPS steps: its estimate is then kept,
@@ -266,8 +267,8 @@ class MeasuredBudget:
     budget is explored on that schedule (down to budget 1, the fallback, whose profiled time
     may be off by as much as speculation gains at a large batch) and the next larger one half
     as often. Near-ties (rates within `tie_tolerance`) go to the smaller budget: it costs less
-    drafting and cache room for nothing. The tolerance is small because every step decided by
-    it gives up as much as the tolerance: at 0.03 a tree of 8 won over 16 whenever a row's
+    drafting and cache room for nothing. The tolerance is small because a step decided by it
+    may give up as much rate as the tolerance: at 0.03 a tree of 8 won over 16 whenever a row's
     recent estimates put 16 less than 3 % ahead, and on Qwen2.5-Coder-1.5B at b = 1, where 16
     is the best fixed budget by 4-5 %, the policy ran 8 on a third of its steps; by replay
     (`bench/policy_replay.py --tie-tolerance`, two cost tables, code and MT-Bench) 0.01 was at
@@ -277,7 +278,7 @@ class MeasuredBudget:
     """
 
     def __init__(self, profile: ForwardProfile, max_budget: int, decay: float = 0.05,
-                 explore_every: int = 8, tie_tolerance: float = 0.01,
+                 explore_every: int = 8, tie_tolerance: float = TIE_TOLERANCE,
                  prior: dict[int, float] | None = None, hindsight_every: int = 4) -> None:
         self.profile = profile
         self.candidates = sorted(((j, s) for j, s in enumerate(profile.budgets) if s <= max_budget),
