@@ -11,9 +11,11 @@ the accepted path cut at that budget with the step's time, and on its hindsight 
 the larger tree `--hindsight-delay` steps later, as the engine learns it once the following
 tokens are out. A step's time is the budget's cost from `--costs` (milliseconds a step, what
 `bench/e2e.py` measured as `verify_ms_by_budget` at fixed budgets) times a seeded uniform
-factor of 1 +- `--noise`; the policy starts from `--profile` (a forward profile file, its b = 1
-row; default: the costs themselves), so a profile that was wrong (taken under load) can be
-replayed too. Every fixed budget meets the same answers, the same drafter and the same noise.
+factor of 1 +- `--noise` (and, with `--drift`, times a pace that swings slowly, as a shared
+machine's does between quiet and busy spells); the policy starts from `--profile` (a forward
+profile file, its b = 1 row; default: the costs themselves), so a profile that was wrong (taken
+under load) can be replayed too. Every fixed budget meets the same answers, the same drafter
+and the same noise.
 
     .venv/bin/python bench/policy_replay.py --model qwen-coder-1.5b \\
         --datastore var/demo-datastore/sharegpt-12000-<fingerprint> --sets code,mt_bench \\
@@ -40,6 +42,7 @@ from draft_quality import accepted_path, add_answer_arguments, references  # noq
 from sssd.verifier.engine.budget_policy import (  # noqa: E402
     DEFAULT_ACCEPTANCE_PRIOR,
     DEFAULT_BUDGETS,
+    HINDSIGHT_EVERY,
     TIE_TOLERANCE,
     FixedBudget,
     ForwardProfile,
@@ -48,12 +51,15 @@ from sssd.verifier.engine.budget_policy import (  # noqa: E402
 
 
 def serve(drafter, pairs: list[tuple[list[int], list[int]]], policy, costs: dict[int, float],
-          seed: int, noise: float, hindsight_delay: int) -> tuple[float, dict[int, int]]:
+          seed: int, noise: float, hindsight_delay: int, drift: float = 0.0,
+          drift_period_s: float = 60.0) -> tuple[float, dict[int, int]]:
     """Tokens per second of `policy` answering the prompts one after another at b = 1, and its
-    budgets by steps."""
+    budgets by steps. With `drift`, the machine's pace swings by 1 +- drift, a sine of period
+    `drift_period_s` (replayed seconds, phase by seed), as a shared machine's does."""
     from sssd.common.drafting.proposer import DraftRequest
 
     rng = np.random.default_rng(seed)
+    phase = 2.0 * np.pi * np.random.default_rng(1000 + seed).uniform()
     largest = max(costs)
     tokens, seconds, counts = 0, 0.0, {}
     for i, (prompt, answer) in enumerate(pairs):
@@ -66,7 +72,8 @@ def serve(drafter, pairs: list[tuple[list[int], list[int]]], policy, costs: dict
             tree = drafter.propose([DraftRequest(key, new, largest, is_start=not started)])[0]
             started = True
             path = accepted_path(tree, answer, position, budget)
-            step_s = costs[budget] * rng.uniform(1.0 - noise, 1.0 + noise) / 1e3
+            pace = 1.0 + drift * np.sin(2.0 * np.pi * seconds / drift_period_s + phase)
+            step_s = costs[budget] * pace * rng.uniform(1.0 - noise, 1.0 + noise) / 1e3
             policy.observe(1, budget, [path], None if drafted > budget else step_s, [key])
             if drafted > budget:
                 pending.append((budget, accepted_path(tree, answer, position, drafted)))
@@ -120,10 +127,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=4, help="noise seeds (4)")
     parser.add_argument("--noise", type=float, default=0.05,
                         help="a step's time is its cost times 1 +- this, uniform (0.05)")
+    parser.add_argument("--drift", type=float, default=0.0,
+                        help="the pace swings by 1 +- this over --drift-period (0: steady)")
+    parser.add_argument("--drift-period", type=float, default=60.0,
+                        help="seconds of replayed time a swing of the pace takes (60)")
     parser.add_argument("--hindsight-delay", type=int, default=1,
                         help="steps before a hindsight tree is scored (1)")
     parser.add_argument("--tie-tolerance", type=float, default=TIE_TOLERANCE,
                         help=f"the policy's tie tolerance ({TIE_TOLERANCE}, the engine's)")
+    parser.add_argument("--hindsight-every", type=int, default=HINDSIGHT_EVERY,
+                        help="every this many-th drafter call drafts the largest tree "
+                        f"({HINDSIGHT_EVERY}, the engine's; 0: never)")
     args = parser.parse_args(argv)
 
     from sssd.cli.datastores import pick_datastore
@@ -141,20 +155,24 @@ def main(argv: list[str] | None = None) -> None:
                                args.batch_size, args.model)
             ratios = []
             for seed in range(args.seeds):
-                fixed = {s: serve(drafter, pairs, FixedBudget(s), args.costs, seed, args.noise,
-                                  args.hindsight_delay)[0] for s in sorted(args.costs)}
+                machine = (args.costs, seed, args.noise, args.hindsight_delay, args.drift,
+                           args.drift_period)  # every configuration meets the same one
+                fixed = {s: serve(drafter, pairs, FixedBudget(s), *machine)[0]
+                         for s in sorted(args.costs)}
                 policy = MeasuredBudget(profile_row(args.profile, args.costs), max(args.costs),
                                         prior=DEFAULT_ACCEPTANCE_PRIOR,
-                                        tie_tolerance=args.tie_tolerance)
-                rate, counts = serve(drafter, pairs, policy, args.costs, seed, args.noise,
-                                     args.hindsight_delay)
+                                        tie_tolerance=args.tie_tolerance,
+                                        hindsight_every=args.hindsight_every)
+                rate, counts = serve(drafter, pairs, policy, *machine)
                 best = max(fixed, key=fixed.get)
                 ratios.append(rate / fixed[best])
                 print(json.dumps({"set": set_name, "seed": seed, "datastore": str(datastore),
                                   "fixed_tok_s": {s: round(r, 3) for s, r in fixed.items()},
                                   "measured_tok_s": round(rate, 3), "best_fixed": best,
                                   "ratio": round(ratios[-1], 4), "budget_counts": counts,
-                                  "tie_tolerance": policy.tie_tolerance}),
+                                  "tie_tolerance": policy.tie_tolerance,
+                                  "hindsight_every": policy.hindsight_every,
+                                  "drift": args.drift}),
                       flush=True)
             print(json.dumps({"set": set_name, "num_prompts": len(pairs), "seeds": args.seeds,
                               "median_ratio": round(statistics.median(ratios), 4),

@@ -70,3 +70,16 @@ def test_a_fixed_budget_emits_the_answer_in_budget_sized_steps():
     rate, counts = serve(Oracle(answer, 3, 3), [([1, 2, 3], answer)], FixedBudget(1), costs,
                          seed=0, noise=0.0, hindsight_delay=1)
     assert counts == {1: 20} and rate == pytest.approx(20 / (20 * 0.1))
+
+
+def test_a_drifting_pace_changes_the_time_of_the_steps_and_not_their_tokens():
+    answer = list(range(10, 31))
+    costs = parse_costs(COSTS)
+    steady = serve(Oracle(answer, 3, 3), [([1, 2, 3], answer)], FixedBudget(4), costs,
+                   seed=0, noise=0.0, hindsight_delay=1)
+    # a swing of +-50 % over 0.4 s of replayed time: the five steps of 0.1 s see other paces
+    swinging = serve(Oracle(answer, 3, 3), [([1, 2, 3], answer)], FixedBudget(4), costs,
+                     seed=0, noise=0.0, hindsight_delay=1, drift=0.5, drift_period_s=0.4)
+    assert swinging[1] == steady[1] == {4: 5}
+    assert swinging[0] != pytest.approx(steady[0])
+    assert 20 / (5 * 0.15) <= swinging[0] <= 20 / (5 * 0.05)  # each step between 0.05 and 0.15 s

@@ -50,6 +50,12 @@ FAR_EXPLORE_FACTOR = 8  # how much more rarely
 # moves it within a few steps.
 CALIBRATION_STEPS = 3
 RECENT_STEPS = 9
+# A settled (batch size, budget) that is not what sets the pace is timed again against it: when
+# its last CALIBRATION_STEPS steps, each over its estimate times the pace of its moment, are off
+# by more than this fraction (their median), its estimate is rescaled by that median. It was
+# settled in a slow spell of a shared machine, or a fast one, that the budget setting the pace
+# did not share.
+RESETTLE = 0.1
 # Once trees have run, a budget not yet calibrated at a batch size is assumed to cost at least its
 # profiled time times the median ratio of observed to profiled time of the trees' (batch size,
 # budget)s so far, less this fraction: the profile's shape is believed, its scale is measured.
@@ -66,6 +72,7 @@ TIE_TOLERANCE = 0.01  # rates within 1 % of the best count as a near-tie (see Me
 # budget cannot trade its estimate against the pace (both free, the two drifted apart: the
 # plain step priced ever cheaper against every tree).
 PLAIN_HINDSIGHT_FACTOR = 4  # hindsight trees at budget 1 come this much more rarely
+HINDSIGHT_EVERY = 4  # every this many-th drafter call drafts the largest tree (MeasuredBudget)
 DEFAULT_BATCHES = (1, 2, 4, 8)
 PROFILE_CONTEXT = 256  # cached tokens per sequence while profiling the forward pass
 
@@ -211,7 +218,12 @@ class MeasuredBudget:
     "Output"), so the tree of budget s is exactly the first s nodes of the tree of budget B, and
     the accepted path cut at its first node with index >= s is what that tree would have kept
     (node indices grow along a path, parents before children). So every step updates the
-    estimate of all budgets up to its own, with an exponential moving average per budget.
+    estimate of all budgets up to its own, with an exponential moving average per budget of
+    what it accepts beyond the next smaller budget; a budget's estimate is the sum of those up
+    to it. Estimates learned apart ranked budgets by when they were last run: a sequence at
+    budget 8 learned 8 from every step and 16 only from its hindsight trees, so after a good
+    spell 8's estimate could stand above 16's (Qwen2.5-Coder-1.5B, MT-Bench at b = 1: 8 at
+    1.39 tokens, 16 at 1.0), which no tree can do.
 
     Step times start from the profile, which was measured on one synthetic context length and
     times the forward pass alone, worth PROFILE_WEIGHT steps; the step times the engine observes
@@ -222,7 +234,8 @@ class MeasuredBudget:
     are divided by the pace (how much slower the machine runs now than when the estimates were
     learned), and a (b, s_q) with RECENT_STEPS steps settles: its estimate is kept and its
     later steps move only the pace, the median of the last steps' ratios to their settled
-    estimates.
+    estimates; except that a budget run now and then, not the one setting the pace, is
+    rescaled when its last steps say it settled in a slow or fast spell (RESETTLE).
 
     A wrong profile must not keep a budget out for long. A step's cost does not fall as its
     budget grows, so a budget costs at most what a larger budget was measured to cost at this
@@ -279,7 +292,8 @@ class MeasuredBudget:
 
     def __init__(self, profile: ForwardProfile, max_budget: int, decay: float = 0.05,
                  explore_every: int = 8, tie_tolerance: float = TIE_TOLERANCE,
-                 prior: dict[int, float] | None = None, hindsight_every: int = 4) -> None:
+                 prior: dict[int, float] | None = None,
+                 hindsight_every: int = HINDSIGHT_EVERY) -> None:
         self.profile = profile
         self.candidates = sorted(((j, s) for j, s in enumerate(profile.budgets) if s <= max_budget),
                                  key=lambda candidate: candidate[1])  # ascending budgets
@@ -294,19 +308,33 @@ class MeasuredBudget:
         self._has_hindsight = False  # scores in hindsight arrive: explore downwards
         self.tie_tolerance = tie_tolerance
         # Mean accepted draft tokens per row at each budget; None until first observed.
-        self.expected_accepted: dict[int, float | None] = {s: None for _, s in self.candidates}
+        # What each budget accepts beyond the next smaller one, per row; None until observed.
+        # Budgets are compared by these sums (`expected_accepted`), never by estimates learned
+        # apart: a budget run less often than a smaller one must not fall behind it for being
+        # learned from older steps (a tree holds every smaller one, so it accepts at least as
+        # much, step by step).
+        self._increments: dict[int, float | None] = {s: None for _, s in self.candidates}
         self._weights = {s: 0 for _, s in self.candidates}  # rows behind each estimate
-        for s in self.expected_accepted:
-            if prior is not None and s in prior:
-                self.expected_accepted[s] = float(prior[s])
+        # The next smaller budget's (1 below the smallest: the root, never a draft).
+        self._below = {s: max((t for _, t in self.candidates if t < s), default=1)
+                       for _, s in self.candidates}
+        if prior is not None:
+            below = 0.0
+            for _, s in self.candidates:
+                if s not in prior:
+                    break
+                self._increments[s] = max(0.0, float(prior[s]) - below)
                 self._weights[s] = PRIOR_WEIGHT
+                below = max(below, float(prior[s]))
         # Per sequence (its key), its own estimate per budget and the steps behind each.
         self._rows: OrderedDict[Hashable, tuple[dict[int, float], dict[int, int]]] = \
             OrderedDict()
         # (b, s) -> estimate, in seconds at the pace the machine had when they were learned
         self.observed_seconds: dict[tuple[int, int], float] = {}
         self.pace = 1.0  # a step now takes this times its estimate
-        self._pace_ratios: deque[float] = deque(maxlen=RECENT_STEPS)  # the last settled steps'
+        # the last settled steps' (batch size, budget) and time over its estimate
+        self._pace_ratios: deque[tuple[tuple[int, int], float]] = deque(maxlen=RECENT_STEPS)
+        self._residuals: dict[tuple[int, int], deque[float]] = {}  # see RESETTLE
         # (b, s) -> median of its recent steps / its profiled time; the median of the trees'
         self._ratios: dict[tuple[int, int], float] = {}
         self._tree_ratio: float | None = None
@@ -318,10 +346,16 @@ class MeasuredBudget:
         # budget, so it is not also a hindsight step (whose time says nothing about it).
         self._is_timing_step = False
 
+    @property
+    def expected_accepted(self) -> dict[int, float | None]:
+        """Mean accepted draft tokens per row at each budget (None from the first budget not
+        yet observed on): the sums of the increments up to it."""
+        return _levels(self._increments)
+
     def budget(self, batch_size: int, rows: Sequence[Hashable] | None = None) -> int:
         self._num_calls += 1
         self._is_timing_step = True
-        unobserved = [s for _, s in self.candidates if self.expected_accepted[s] is None]
+        unobserved = [s for _, s in self.candidates if self._increments[s] is None]
         if unobserved:
             return max(unobserved)  # one step there measures every smaller budget too
         accepted = self._batch_acceptance(rows)
@@ -435,8 +469,18 @@ class MeasuredBudget:
             # Settled: its estimate (the median of those steps) is kept, and the step moves only
             # the pace. A median, not a moving mean: step times are skewed to the slow side, and
             # their mean ratio to a median estimate is above 1.
-            self._pace_ratios.append(step_s / self.observed_seconds[key])
-            self.pace = statistics.median(self._pace_ratios)
+            ratio = step_s / self.observed_seconds[key]
+            setters = sum(1 for other, _ in self._pace_ratios if other == key)
+            if 2 * setters < len(self._pace_ratios):  # a budget run now and then: re-time it
+                residuals = self._residuals.setdefault(key, deque(maxlen=CALIBRATION_STEPS))
+                residuals.append(ratio / self.pace)
+                off = statistics.median(residuals)
+                if len(residuals) == CALIBRATION_STEPS and abs(off - 1.0) > RESETTLE:
+                    self.observed_seconds[key] *= off
+                    ratio /= off
+                    residuals.clear()
+            self._pace_ratios.append((key, ratio))
+            self.pace = statistics.median(r for _, r in self._pace_ratios)
             return
         step_s /= self.pace  # what the step would have taken at the estimates' pace
         index = next((j for j, s in self.candidates if s == budget), None)
@@ -494,8 +538,8 @@ class MeasuredBudget:
         entry = self._rows.get(key)
         if entry is None:
             entry = self._rows[key] = (
-                {s: v for s, v in self.expected_accepted.items() if v is not None},
-                {s: ROW_PRIOR_WEIGHT for s in self.expected_accepted})
+                {s: v for s, v in self._increments.items() if v is not None},
+                {s: ROW_PRIOR_WEIGHT for s in self._increments})
             while len(self._rows) > MAX_ROWS:
                 self._rows.popitem(last=False)
         else:
@@ -515,18 +559,20 @@ class MeasuredBudget:
         chases the noise of a few rows."""
         if not rows:
             return self.expected_accepted
-        sums = dict.fromkeys(self.expected_accepted, 0.0)
+        sums = dict.fromkeys(self._increments, 0.0)
         for estimates, _ in self._row_entries(rows):
             for s in sums:
-                sums[s] += estimates.get(s, self.expected_accepted[s])
-        return {s: total / len(rows) for s, total in sums.items()}
+                sums[s] += estimates.get(s, self._increments[s])
+        return _levels({s: total / len(rows) for s, total in sums.items()})
 
     def _learn_acceptance(self, s: int, accepted_nodes: Sequence[Sequence[int]],
                           entries: list[tuple[dict[int, float], dict[int, int]]]) -> None:
-        """What a tree of budget s, the first s nodes, accepted: each path cut at its first
-        node >= s (indices grow along a path). Learned globally (the prior of new sequences,
+        """What a tree of budget s, the first s nodes, accepted beyond the tree of the next
+        smaller budget: each path cut at its first node >= s (indices grow along a path) less
+        the same path cut at the smaller budget. Learned globally (the prior of new sequences,
         and what `save_stats` keeps) and in each row's `entries` (`_row_entries`)."""
-        counts = [sum(1 for node in path if node < s) for path in accepted_nodes]
+        below = self._below[s]
+        counts = [sum(1 for node in path if below <= node < s) for path in accepted_nodes]
         for (estimates, weights), count in zip(entries, counts):
             weights[s] = weights.get(s, 0) + 1
             old = estimates.get(s, float(count))
@@ -542,8 +588,8 @@ class MeasuredBudget:
         num_rows = len(accepted_nodes)
         self._weights[s] += num_rows
         rate = max(self.decay, num_rows / self._weights[s])
-        old = self.expected_accepted[s]
-        self.expected_accepted[s] = mean if old is None else old + rate * (mean - old)
+        old = self._increments[s]
+        self._increments[s] = mean if old is None else old + rate * (mean - old)
 
     def save_stats(self, path: str | os.PathLike) -> None:
         """The acceptance estimates, as the prior of a later start (`load_acceptance`)."""
@@ -551,6 +597,18 @@ class MeasuredBudget:
                                                  in self.expected_accepted.items()
                                                  if v is not None},
                            "saved_at": time.time()})
+
+
+def _levels(increments: dict[int, float | None]) -> dict[int, float | None]:
+    """Budget -> accepted draft tokens, the increments (ascending budgets) summed up to it;
+    None from the first unknown increment on."""
+    levels: dict[int, float | None] = {}
+    total: float | None = 0.0
+    for s in sorted(increments):
+        increment = increments[s]
+        total = None if total is None or increment is None else total + increment
+        levels[s] = total
+    return levels
 
 
 def load_acceptance(path: str | os.PathLike) -> dict[int, float] | None:

@@ -5,6 +5,7 @@ import pytest
 
 from sssd.verifier.engine.budget_policy import (
     DEFAULT_ACCEPTANCE_PRIOR,
+    DEFAULT_BUDGETS,
     FixedBudget,
     ForwardProfile,
     MeasuredBudget,
@@ -45,9 +46,26 @@ def test_one_tree_measures_every_smaller_budget():
     policy.observe(1, 32, [[1, 3, 7, 20], [2]], 0.04)
     # A tree of budget s is the first s nodes: row 0 keeps the path nodes with index < s.
     assert policy.expected_accepted == {1: 0.0, 2: 0.5, 4: 1.5, 8: 2.0, 16: 2.0, 32: 2.5}
-    # A step at budget 4 says nothing about larger budgets.
-    policy.observe(1, 4, [[1, 2, 3]], 0.04)
-    assert policy.expected_accepted[8] == 2.0 and policy.expected_accepted[4] > 1.5
+    # A step at budget 4 says nothing of what larger budgets add beyond it: they move with it.
+    policy.observe(1, 4, [[1, 2, 3]], 0.04)  # a running mean over 3 rows so far
+    levels = policy.expected_accepted
+    assert levels[2] == pytest.approx(0.5 + (1 - 0.5) / 3)
+    assert levels[4] == pytest.approx(levels[2] + 1.0 + (2 - 1.0) / 3)
+    assert levels[8] - levels[4] == pytest.approx(0.5) and levels[32] - levels[8] == 0.5
+
+
+def test_a_budget_run_less_often_never_falls_behind_a_smaller_one():
+    # Learned apart, the estimate of 16 (met only in its own steps) kept the high acceptance
+    # of an early spell while 8's followed a later poor one, or the reverse: 8 ahead of 16.
+    policy = MeasuredBudget(flat_then_linear_profile(), max_budget=32,
+                            prior=DEFAULT_ACCEPTANCE_PRIOR)
+    policy.observe(1, 32, [[1, 3, 9]], 0.04)  # 16 adds one token beyond 8 here
+    for _ in range(20):
+        policy.observe(1, 8, [[1, 3, 5, 7]], 0.04)  # then a spell where 8 accepts 4 a step
+    levels = policy.expected_accepted
+    assert levels[8] > 3.0
+    assert all(levels[a] <= levels[b] for a, b in zip(DEFAULT_BUDGETS, DEFAULT_BUDGETS[1:]))
+    assert levels[16] > levels[8]  # the prior's and the first tree's increment, still there
 
 
 def test_measured_policy_spends_more_when_drafts_are_good():
