@@ -21,3 +21,8 @@ $Q --sets mt_bench,code --costs $C --seeds 4 > $R/policy-replay-increments-128.j
 $Q --sets mt_bench --max-tokens 512 --costs $C --seeds 1 \
   --profile var/profiles/qwen-coder-1.5b/e2e-forward-xeon.json \
   > $R/policy-replay-increments-512-chat-stale-profile.jsonl
+# SmolLM2-135M (the default model), costs of this stop's SmolLM2 runs, noise +-10 %: before the
+# change (19edf9b; only its two median lines were kept) and after it.
+S=1:16,2:16.9,4:17.4,8:18.3,16:21.5,32:29.5
+.venv/bin/python bench/policy_replay.py --datastore var/demo-datastore/sharegpt-12000-ba75b552aebd \
+  --sets mt_bench,code --costs $S --seeds 4 --noise 0.1 > $R/policy-replay-smol-increments.jsonl

@@ -36,3 +36,13 @@ $E --set mt_bench --prompts 8 --max-tokens 512 --batch-sizes 1 --modes ar,sssd \
   --policies measured,fixed:16 --chunks 8 --hf-prompts 0 --png $R/e2e-qwen-chat-b1-512-increments.png \
   > $R/e2e-qwen-chat-b1-512-increments.jsonl 2> $R/e2e-qwen-chat-b1-512-increments.err
 log done
+# SmolLM2 at b = 1 after the policy change (its non-regression), as in 2026-11-30-xeon-2.
+log start smol
+for s in code mt_bench; do
+  .venv/bin/python bench/e2e.py --set $s --prompts 8 --max-tokens 128 --batch-sizes 1 \
+    --modes ar,sssd --policies measured,rule --chunks 8 --hf-prompts 0 \
+    --datastore var/demo-datastore/sharegpt-12000-ba75b552aebd \
+    --profile var/profiles/smol-e2e-forward-xeon.json --png $R/e2e-smol-$s-b1.png \
+    > $R/e2e-smol-$s-b1.jsonl 2> $R/e2e-smol-$s-b1.err
+done
+log done
