@@ -68,8 +68,9 @@ TIE_TOLERANCE = 0.01  # rates within 1 % of the best count as a near-tie (see Me
 # settled estimate. A (b, s) settles once it has RECENT_STEPS steps: its estimate is then kept,
 # in the units of the pace it was learned at, and only the pace moves. A shared machine's slow
 # spells then slow every budget's estimate alike, instead of pricing whichever budget happened
-# to be timed during one; and since settled estimates do not move, a long stretch at one
-# budget cannot trade its estimate against the pace (both free, the two drifted apart: the
+# to be timed during one; and since the budget setting the pace never moves its settled
+# estimate (only the others are re-timed, RESETTLE), a long stretch at one budget cannot trade
+# its estimate against the pace (both free, the two drifted apart: the
 # plain step priced ever cheaper against every tree).
 PLAIN_HINDSIGHT_FACTOR = 4  # hindsight trees at budget 1 come this much more rarely
 HINDSIGHT_EVERY = 4  # every this many-th drafter call drafts the largest tree (MeasuredBudget)
@@ -307,7 +308,6 @@ class MeasuredBudget:
         self._num_draft_calls = 0
         self._has_hindsight = False  # scores in hindsight arrive: explore downwards
         self.tie_tolerance = tie_tolerance
-        # Mean accepted draft tokens per row at each budget; None until first observed.
         # What each budget accepts beyond the next smaller one, per row; None until observed.
         # Budgets are compared by these sums (`expected_accepted`), never by estimates learned
         # apart: a budget run less often than a smaller one must not fall behind it for being
@@ -326,7 +326,7 @@ class MeasuredBudget:
                 self._increments[s] = max(0.0, float(prior[s]) - below)
                 self._weights[s] = PRIOR_WEIGHT
                 below = max(below, float(prior[s]))
-        # Per sequence (its key), its own estimate per budget and the steps behind each.
+        # Per sequence (its key), its own increment per budget and the steps behind each.
         self._rows: OrderedDict[Hashable, tuple[dict[int, float], dict[int, int]]] = \
             OrderedDict()
         # (b, s) -> estimate, in seconds at the pace the machine had when they were learned
@@ -471,7 +471,9 @@ class MeasuredBudget:
             # their mean ratio to a median estimate is above 1.
             ratio = step_s / self.observed_seconds[key]
             setters = sum(1 for other, _ in self._pace_ratios if other == key)
-            if 2 * setters < len(self._pace_ratios):  # a budget run now and then: re-time it
+            if 2 * setters >= len(self._pace_ratios):  # it sets the pace: nothing to re-time
+                self._residuals.pop(key, None)
+            else:  # a budget run now and then: re-time it against the pace
                 residuals = self._residuals.setdefault(key, deque(maxlen=CALIBRATION_STEPS))
                 residuals.append(ratio / self.pace)
                 off = statistics.median(residuals)
@@ -534,7 +536,7 @@ class MeasuredBudget:
                 self._learn_acceptance(s, accepted_nodes, entries)
 
     def _row_estimates(self, key: Hashable) -> tuple[dict[int, float], dict[int, int]]:
-        """A sequence's own estimates, made from the global ones when it is new."""
+        """A sequence's own increments, made from the global ones when it is new."""
         entry = self._rows.get(key)
         if entry is None:
             entry = self._rows[key] = (

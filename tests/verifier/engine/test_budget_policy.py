@@ -51,7 +51,8 @@ def test_one_tree_measures_every_smaller_budget():
     levels = policy.expected_accepted
     assert levels[2] == pytest.approx(0.5 + (1 - 0.5) / 3)
     assert levels[4] == pytest.approx(levels[2] + 1.0 + (2 - 1.0) / 3)
-    assert levels[8] - levels[4] == pytest.approx(0.5) and levels[32] - levels[8] == 0.5
+    assert levels[8] - levels[4] == pytest.approx(0.5)
+    assert levels[32] - levels[8] == pytest.approx(0.5)
 
 
 def test_a_budget_run_less_often_never_falls_behind_a_smaller_one():
