@@ -13,10 +13,12 @@ CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Largest error against the float64 reference: float32 accumulates in float32; bfloat16 rounds
 # the output to 8 bits of mantissa (|values| of attention outputs stay below about 2).
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
-# The attention's paths, each where the CPU can run it: AVX-512, AVX2 (forced on a CPU that has
-# AVX-512 too), and the portable loops. The argmax has two: its test picks them from these.
-PATHS = ["avx512", "avx2", "portable"]
-CAN_RUN = {"avx512": _kernels.has_avx512, "avx2": _kernels.has_avx2_fma, "portable": lambda: True}
+# The attention's paths, each where the CPU can run it: AVX-512 with its bfloat16 scores on the
+# AMX tile unit, AVX-512 alone, AVX2 (forced on a CPU that has AVX-512 too), and the portable
+# loops. The argmax has two: its test picks them from these.
+PATHS = ["amx", "avx512", "avx2", "portable"]
+CAN_RUN = {"amx": _kernels.has_amx_bf16, "avx512": _kernels.has_avx512,
+           "avx2": _kernels.has_avx2_fma, "portable": lambda: True}
 
 
 @pytest.fixture(params=PATHS)
@@ -25,9 +27,11 @@ def path(request):
         pytest.skip(f"this CPU cannot run the {request.param} path")
     previous_portable = _kernels.set_portable(request.param == "portable")
     previous_avx2 = _kernels.set_attention_avx2(request.param == "avx2")
+    previous_amx = _kernels.set_attention_amx(request.param == "amx")
     yield request.param
     _kernels.set_portable(previous_portable)
     _kernels.set_attention_avx2(previous_avx2)
+    _kernels.set_attention_amx(previous_amx)
 
 
 def tree_bits(parents: list[int], padded_to: int) -> list[int]:
@@ -102,11 +106,13 @@ def test_attention_matches_the_float64_reference(path, dtype, shape, num_seqs, n
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_querys_result_does_not_depend_on_its_neighbours(path, dtype):
+@pytest.mark.parametrize("shape", [(9, 3, 64), (12, 2, 128)], ids=["smollm2", "qwen2.5-1.5b"])
+def test_a_querys_result_does_not_depend_on_its_neighbours(path, dtype, shape):
     """The root of a tree gives bit-identical outputs alone, under any tree, padded, and beside
     other rows: what makes speculative decoding token-identical to plain decoding in bf16."""
     generator = torch.Generator().manual_seed(7)
-    heads, kv_heads, head_dim, capacity = 9, 3, 64, 200
+    heads, kv_heads, head_dim = shape
+    capacity = 200
     keys = torch.randn(4, kv_heads, capacity, head_dim, generator=generator).to(dtype)
     values = torch.randn(4, kv_heads, capacity, head_dim, generator=generator).to(dtype)
     q = torch.randn(4, 33, heads, head_dim, generator=generator).to(dtype)

@@ -61,6 +61,9 @@ NB_MODULE(_kernels, m) {
   }, "avx2"_a,
         "Runs the tree attention's AVX2 build even where the CPU has AVX-512 (True) or lets the "
         "CPU choose again; returns the previous setting.");
+  m.def("set_attention_amx", &k::set_attention_amx, "amx"_a,
+        "Lets the AVX-512 tree attention take its bfloat16 scores on the AMX tile unit (True, "
+        "the default where the CPU has one) or not; returns the previous setting.");
   m.def("num_threads", &k::num_threads, "OpenMP threads of the parallel loops.");
   m.def("has_avx512_bf16", &k::has_avx512_bf16);
   m.def("packed_bf16_panels", &k::packed_bf16_panels, "out_features"_a);

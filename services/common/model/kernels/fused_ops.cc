@@ -42,6 +42,7 @@ bool worth_threads(int64_t rows, int64_t width) {
 
 std::atomic<bool> portable{false};
 std::atomic<bool> attention_avx2{false};  // set_attention_avx2
+std::atomic<bool> attention_amx{true};     // set_attention_amx
 
 // Row [count] of `base` at `offset`, as float32, into out.
 SSSD_CLONES void to_float(const void* base, int64_t offset, int64_t count, Dtype dtype,
@@ -199,6 +200,8 @@ bool has_avx512() {
 bool set_portable(bool value) { return portable.exchange(value); }
 
 bool set_attention_avx2(bool value) { return attention_avx2.exchange(value); }
+
+bool set_attention_amx(bool value) { return attention_amx.exchange(value); }
 
 int32_t num_threads() { return omp_get_max_threads(); }
 
@@ -383,10 +386,11 @@ void attention(const void* q, const void* key_cache, const void* value_cache,
       throw std::invalid_argument("attention: a row's keys exceed the cache capacity");
     }
   }
-  const AttentionProblem problem{q,     key_cache, value_cache, cache_lens, tree_bits, out,
-                                 first_slot, num_seqs, num_nodes, heads, kv_heads, head_dim,
-                                 capacity, scale, dtype};
+  AttentionProblem problem{q,     key_cache, value_cache, cache_lens, tree_bits, out,
+                           first_slot, num_seqs, num_nodes, heads, kv_heads, head_dim,
+                           capacity, scale, dtype};
   const bool vector = !portable.load() && !attention_avx2.load() && has_avx512();
+  problem.amx = vector && attention_amx.load() && dtype == Dtype::kBFloat16 && has_amx_bf16();
   const bool avx2 = !portable.load() && !vector && has_avx2_fma();
   const int64_t items = num_seqs * kv_heads;
 #pragma omp parallel for schedule(dynamic, 1) if (items > 1)

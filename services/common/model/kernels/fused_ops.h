@@ -32,6 +32,11 @@ bool set_portable(bool portable);
 // has AVX2) or lets the CPU choose again; returns the previous setting.
 bool set_attention_avx2(bool avx2);
 
+// Lets the AVX-512 tree attention take its scores on the AMX tile unit where the CPU has one
+// and the dtype is bfloat16 (True, the default) or not (tests compare the two); returns the
+// previous setting.
+bool set_attention_amx(bool amx);
+
 // OpenMP threads the parallel loops use (PyTorch's setting when the runtime is shared).
 int32_t num_threads();
 

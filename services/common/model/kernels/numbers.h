@@ -86,6 +86,8 @@ struct AttentionProblem {
   int64_t first_slot, num_seqs, num_nodes, heads, kv_heads, head_dim, capacity;
   float scale;
   Dtype dtype;
+  // Scores on the AMX tile unit (bfloat16 on CPUs that have it; attention_avx512.cc).
+  bool amx = false;
 
   int64_t group() const { return heads / kv_heads; }
   // Offset (in elements) of cache row (s, key head g) in either cache.
