@@ -15,7 +15,11 @@
 // loop spends a dot product per query and key. A score is still a function of its query and
 // its key alone (each output of TDPBF16PS is its row of the one tile times its column of the
 // other), so the same holds; the scores differ from the vector loop's in the order of their
-// sums, so a process uses one of the two throughout. Before it, pass 1 took about two thirds
+// sums, so a process uses one of the two throughout. Pass 3 stays on the vector units: the tile
+// unit adds an instruction's 32 products before it rounds (a scratch probe: two products of
+// half an ulp each moved a sum of 1.0 wherever they sat in the instruction), so weighted values
+// on tiles would round by how a node's keys fall into blocks of 32 positions, which differ
+// between a tree and plain decoding. Before it, pass 1 took about two thirds
 // of a tree's attention: 0.78 ms a layer for a tree of 16 nodes over 800 keys of
 // Qwen2.5-Coder-1.5B (22 ms a step), where one node took 0.06.
 //
