@@ -31,6 +31,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "avx512_loads.h"
 #include "numbers.h"
 
@@ -100,24 +101,13 @@ struct Scratch {
   std::vector<uint32_t> key_pairs;  // scores_amx: a block of 16 keys as tiles of pairs
 };
 
-// The tile configuration of scores_amx, palette 1: every tile 16 rows of 64 bytes. tmm0: the
-// scores of 16 queries x 16 keys (float32); tmm1: 16 queries x 32 dimensions (bfloat16); tmm2:
-// 16 pairs of dimensions x 16 keys x 2 (bfloat16).
-struct alignas(64) AmxConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16};
-};
-
-const AmxConfig kAmxConfig{};
-
 // Pass 1 on the AMX tile unit: scores[i * stride + p] = <query i, key p> (unscaled) for the
 // `count` queries of key head g of row s (node-major, as in attend) and keys [0, length);
 // queries past `count` (up to a multiple of 16) get rows of their own, which the caller sizes.
 // A block of 16 keys is rearranged once into the tile layout of pairs (dimensions 2r and
-// 2r + 1 of each key side by side); a key past `length` as zeros.
+// 2r + 1 of each key side by side); a key past `length` as zeros. Tiles (kTiles16x64): tmm0
+// the scores of 16 queries x 16 keys (float32), tmm1 16 queries x 32 dimensions (bfloat16),
+// tmm2 16 pairs of dimensions x 16 keys x 2 (bfloat16).
 template <int64_t HD>
 void scores_amx(const AttentionProblem& problem, int64_t s, int64_t g, const uint16_t* keys,
                 int64_t length, int64_t stride, float* scores, Scratch& scratch) {
@@ -125,9 +115,11 @@ void scores_amx(const AttentionProblem& problem, int64_t s, int64_t g, const uin
   const int64_t group = problem.group(), num_nodes = problem.num_nodes;
   const int64_t count = group * num_nodes;
   const int64_t tiles = (count + 15) / 16;
-  scratch.query_bits.assign(tiles * 16 * HD, 0);
+  scratch.query_bits.resize(tiles * 16 * HD);
   scratch.key_pairs.resize(kSpans * 16 * 16);
   uint16_t* query_bits = scratch.query_bits.data();
+  // The last tile's rows past `count`: zeros (their scores are never read).
+  std::memset(query_bits + count * HD, 0, (tiles * 16 - count) * HD * sizeof(uint16_t));
   uint32_t* key_pairs = scratch.key_pairs.data();
   const uint16_t* q = static_cast<const uint16_t*>(problem.q);
   for (int64_t j = 0; j < num_nodes; ++j) {  // the group's heads are side by side in q
@@ -139,7 +131,7 @@ void scores_amx(const AttentionProblem& problem, int64_t s, int64_t g, const uin
   const __m512i key_starts = _mm512_mullo_epi32(
       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
       _mm512_set1_epi32(HD / 2));
-  _tile_loadconfig(&kAmxConfig);
+  _tile_loadconfig(&kTiles16x64);
   for (int64_t p0 = 0; p0 < length; p0 += 16) {
     const int64_t block = std::min<int64_t>(16, length - p0);
     const __mmask16 present = static_cast<__mmask16>((1u << block) - 1u);
@@ -239,7 +231,7 @@ void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
   float* queries = scratch.queries.data();
   float* scores = scratch.scores.data();
   const T* q = static_cast<const T*>(problem.q);
-  for (int64_t j = 0; j < num_nodes; ++j) {
+  for (int64_t j = 0; !amx && j < num_nodes; ++j) {  // widened for the vector scores only
     for (int64_t k = 0; k < group; ++k) {
       const T* source = q + ((s * num_nodes + j) * problem.heads + g * group + k) * HD;
       float* target = queries + (j * group + k) * HD;

@@ -36,6 +36,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "fused_ops.h"
 
 namespace sssd::kernels {
@@ -50,26 +51,9 @@ constexpr int64_t kPairBlock = 1024;    // input pairs per block: 256 KB of a pa
 constexpr int kArchReqXcompPerm = 0x1023;
 constexpr int kXfeatureXtiledata = 18;
 
-// The tile configuration, palette 1: tmm0-3 the sums of 64 outputs (16 rows x 16 float32),
-// tmm4 the input tile (16 rows x 16 pairs), tmm5-7 weight tiles (16 pairs x 16 outputs x 2).
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-TileConfig make_config() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = kTileRows;
-  }
-  return config;
-}
-
-const TileConfig kConfig = make_config();
+// The tiles (detail::kTiles16x64): tmm0-3 the sums of 64 outputs (16 rows x 16 float32), tmm4
+// the input tile (16 rows x 16 pairs), tmm5-7 weight tiles (16 pairs x 16 outputs x 2).
+static_assert(kTileRows == 16 && kTilePairs * 4 == 64, "tiles of 16 rows of 64 bytes");
 
 bool probe_amx() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
@@ -158,7 +142,7 @@ void linear_bf16_amx(const void* x, const void* packed, const void* bias, void* 
   }
 #pragma omp parallel
   {
-    _tile_loadconfig(&kConfig);
+    _tile_loadconfig(&detail::kTiles16x64);
     std::vector<float> sums(static_cast<size_t>(num_groups * kTileRows * kPanel));
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < num_panels; ++p) {
