@@ -194,12 +194,24 @@ def causal_reference(q, key_cache, value_cache, slot, scale):
     return torch.einsum("hjp,hpd->jhd", weights, values)
 
 
+@pytest.fixture(params=["amx", "avx512"])
+def prompt_path(request):
+    """The prompt kernel's two ways to its scores: the AMX tile unit (bfloat16, where the CPU
+    has one) or the AVX-512 vector loop."""
+    if not CAN_RUN[request.param]():
+        pytest.skip(f"this CPU cannot run the {request.param} path")
+    previous = _kernels.set_attention_amx(request.param == "amx")
+    yield request.param
+    _kernels.set_attention_amx(previous)
+
+
 @pytest.mark.skipif(not _kernels.has_avx512(), reason="prompt_attention needs AVX-512")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", [(9, 3, 64), (12, 2, 128), (4, 4, 64)],
                          ids=["smollm2", "qwen2.5-1.5b", "no-groups"])
 @pytest.mark.parametrize("length", [1, 17, 65, 300])
-def test_prompt_attention_matches_the_float64_reference(dtype, shape, length):
+def test_prompt_attention_matches_the_float64_reference(dtype, shape, length, prompt_path):
+    skip_unless_it_applies(prompt_path, dtype)
     heads, kv_heads, head_dim = shape
     generator = torch.Generator().manual_seed(length)
     keys = torch.randn(3, kv_heads, 320, head_dim, generator=generator).to(dtype)
@@ -212,9 +224,10 @@ def test_prompt_attention_matches_the_float64_reference(dtype, shape, length):
 
 @pytest.mark.skipif(not _kernels.has_avx512(), reason="prompt_attention needs AVX-512")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_prompt_positions_result_depends_on_its_keys_alone(dtype):
+def test_a_prompt_positions_result_depends_on_its_keys_alone(dtype, prompt_path):
     """Position j gives the same bits in a prompt of any length past j, wherever the work's
     blocks of positions fall: a prompt's KV cache does not depend on how long it is."""
+    skip_unless_it_applies(prompt_path, dtype)
     generator = torch.Generator().manual_seed(3)
     keys = torch.randn(1, 3, 400, 64, generator=generator).to(dtype)
     values = torch.randn(1, 3, 400, 64, generator=generator).to(dtype)

@@ -412,9 +412,10 @@ bool prompt_attention(const void* q, const void* key_cache, const void* value_ca
     throw std::invalid_argument("prompt_attention: heads must be a multiple of kv_heads");
   }
   if (portable.load() || !has_avx512()) return false;
-  const AttentionProblem problem{q,        key_cache, value_cache, nullptr,  nullptr, out,
-                                 slot,     1,         length,      heads,    kv_heads, head_dim,
-                                 capacity, scale,     dtype};
+  AttentionProblem problem{q,        key_cache, value_cache, nullptr,  nullptr, out,
+                           slot,     1,         length,      heads,    kv_heads, head_dim,
+                           capacity, scale,     dtype};
+  problem.amx = attention_amx.load() && dtype == Dtype::kBFloat16 && has_amx_bf16();
   return detail::prompt_attention_avx512(problem);
 }
 
