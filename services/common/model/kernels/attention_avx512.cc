@@ -405,6 +405,8 @@ void prompt_scores_amx(const uint16_t* query_bits, int64_t count, const uint32_t
   constexpr int64_t kBlock = HD / 2 * 16;  // uint32 per packed block of 16 keys
   constexpr int kRow = HD * sizeof(uint16_t);
   _tile_loadconfig(&kTiles16x64);
+  // The two branches differ in their sum tile only: GCC's tile intrinsics take the tile's
+  // number as a literal (a macro pastes it into the instruction), not as a template argument.
   const auto block_scores = [&](const uint32_t* block, float* out, int64_t out_stride,
                                 bool second) {
     if (second) {
