@@ -101,6 +101,25 @@ struct Scratch {
   std::vector<uint32_t> key_pairs;  // scores_amx: a block of 16 keys as tiles of pairs
 };
 
+// Positions [first, first + 16) of one key head's bfloat16 keys [length, HD] as the tile unit
+// reads a block of 16 keys: [HD / 2][16] pairs of dimensions (dimensions 2r and 2r + 1 of a
+// key side by side, row r of the tile of its span r / 16); a position at or past `length` as
+// zeros.
+template <int64_t HD>
+void pack_key_pairs(const uint16_t* keys, int64_t first, int64_t length, uint32_t* out) {
+  const int64_t block = std::max<int64_t>(0, std::min<int64_t>(16, length - first));
+  const __mmask16 present = static_cast<__mmask16>((1u << block) - 1u);
+  const __m512i key_starts = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(HD / 2));
+  const void* base = keys + first * HD;
+  for (int64_t pair = 0; pair < HD / 2; ++pair) {
+    _mm512_storeu_si512(out + pair * 16, _mm512_mask_i32gather_epi32(
+        _mm512_setzero_si512(), present,
+        _mm512_add_epi32(key_starts, _mm512_set1_epi32(static_cast<int>(pair))), base, 4));
+  }
+}
+
 // Pass 1 on the AMX tile unit: scores[i * stride + p] = <query i, key p> (unscaled) for the
 // `count` queries of key head g of row s (node-major, as in attend) and keys [0, length);
 // queries past `count` (up to a multiple of 16) get rows of their own, which the caller sizes.
@@ -127,21 +146,9 @@ void scores_amx(const AttentionProblem& problem, int64_t s, int64_t g, const uin
                 q + ((s * num_nodes + j) * problem.heads + g * group) * HD,
                 group * HD * sizeof(uint16_t));
   }
-  // Lane n: key n's first pair of dimensions, counted in pairs (4 bytes) from the block.
-  const __m512i key_starts = _mm512_mullo_epi32(
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-      _mm512_set1_epi32(HD / 2));
   _tile_loadconfig(&kTiles16x64);
   for (int64_t p0 = 0; p0 < length; p0 += 16) {
-    const int64_t block = std::min<int64_t>(16, length - p0);
-    const __mmask16 present = static_cast<__mmask16>((1u << block) - 1u);
-    const void* base = keys + p0 * HD;
-    for (int64_t pair = 0; pair < HD / 2; ++pair) {  // row `pair` of span pair / 16's tile
-      const __m512i lanes = _mm512_mask_i32gather_epi32(
-          _mm512_setzero_si512(), present,
-          _mm512_add_epi32(key_starts, _mm512_set1_epi32(static_cast<int>(pair))), base, 4);
-      _mm512_storeu_si512(key_pairs + pair * 16, lanes);
-    }
+    pack_key_pairs<HD>(keys, p0, length, key_pairs);
     for (int64_t t = 0; t < tiles; ++t) {
       _tile_zero(0);
       for (int64_t span = 0; span < kSpans; ++span) {
@@ -372,31 +379,12 @@ inline void score_rows(const float* queries, const float* blocks, int64_t num_bl
   }
 }
 
-// Positions [first, first + 16) of one key head's bfloat16 keys [length, HD] as the tile unit
-// reads a block of 16 keys (scores_amx's key_pairs): [HD / 2][16] pairs of dimensions; a
-// position at or past `length` as zeros.
-template <int64_t HD>
-void pack_key_pairs(const uint16_t* keys, int64_t first, int64_t length, uint32_t* out) {
-  const int64_t block = std::max<int64_t>(0, std::min<int64_t>(16, length - first));
-  const __mmask16 present = static_cast<__mmask16>((1u << block) - 1u);
-  const __m512i key_starts = _mm512_mullo_epi32(
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-      _mm512_set1_epi32(HD / 2));
-  const void* base = keys + first * HD;
-  for (int64_t pair = 0; pair < HD / 2; ++pair) {
-    _mm512_storeu_si512(out + pair * 16, _mm512_mask_i32gather_epi32(
-        _mm512_setzero_si512(), present,
-        _mm512_add_epi32(key_starts, _mm512_set1_epi32(static_cast<int>(pair))), base, 4));
-  }
-}
-
 // A prompt block's scores on the AMX tile unit: scores[i * stride + p] = <query i, key p>
 // (unscaled) for the `count` bfloat16 queries of `query_bits` (rows HD apart, padded with zero
 // rows to a multiple of 16) and the key blocks [0, num_blocks) of `pairs` (pack_key_pairs).
 // A tile of 16 queries stays in tiles 2-5 (one per 32 dimensions) while the key blocks pass:
-// per 16 x 16 scores, one tile load and one TDPBF16PS per 32 dimensions; the sums alternate
-// between tiles 0 and 1 so that one block's store overlaps the next block's products. As in
-// the tree's scores_amx, a score is a function of its query and its key alone.
+// per 16 x 16 scores, one tile load and one TDPBF16PS per 32 dimensions, summed in tile 0. As
+// in the tree's scores_amx, a score is a function of its query and its key alone.
 template <int64_t HD>
 void prompt_scores_amx(const uint16_t* query_bits, int64_t count, const uint32_t* pairs,
                        int64_t num_blocks, float* scores, int64_t stride) {
@@ -405,24 +393,17 @@ void prompt_scores_amx(const uint16_t* query_bits, int64_t count, const uint32_t
   constexpr int64_t kBlock = HD / 2 * 16;  // uint32 per packed block of 16 keys
   constexpr int kRow = HD * sizeof(uint16_t);
   _tile_loadconfig(&kTiles16x64);
-  // The two branches differ in their sum tile only: GCC's tile intrinsics take the tile's
-  // number as a literal (a macro pastes it into the instruction), not as a template argument.
-  const auto block_scores = [&](const uint32_t* block, float* out, int64_t out_stride,
-                                bool second) {
-    if (second) {
-      _tile_zero(1);
-      _tile_loadd(6, block, 64);
-      _tile_dpbf16ps(1, 2, 6);
-      _tile_loadd(7, block + 256, 64);
-      _tile_dpbf16ps(1, 3, 7);
-      if constexpr (kSpans == 4) {
-        _tile_loadd(6, block + 512, 64);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(7, block + 768, 64);
-        _tile_dpbf16ps(1, 5, 7);
-      }
-      _tile_stored(1, out, out_stride);
-    } else {
+  const int64_t tiles = (count + 15) / 16;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const uint16_t* rows = query_bits + t * 16 * HD;
+    _tile_loadd(2, rows, kRow);
+    _tile_loadd(3, rows + 32, kRow);
+    if constexpr (kSpans == 4) {
+      _tile_loadd(4, rows + 64, kRow);
+      _tile_loadd(5, rows + 96, kRow);
+    }
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint32_t* block = pairs + b * kBlock;
       _tile_zero(0);
       _tile_loadd(6, block, 64);
       _tile_dpbf16ps(0, 2, 6);
@@ -434,21 +415,8 @@ void prompt_scores_amx(const uint16_t* query_bits, int64_t count, const uint32_t
         _tile_loadd(7, block + 768, 64);
         _tile_dpbf16ps(0, 5, 7);
       }
-      _tile_stored(0, out, out_stride);
-    }
-  };
-  const int64_t tiles = (count + 15) / 16;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const uint16_t* rows = query_bits + t * 16 * HD;
-    _tile_loadd(2, rows, kRow);
-    _tile_loadd(3, rows + 32, kRow);
-    if constexpr (kSpans == 4) {
-      _tile_loadd(4, rows + 64, kRow);
-      _tile_loadd(5, rows + 96, kRow);
-    }
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      block_scores(pairs + b * kBlock, scores + t * 16 * stride + b * 16,
-                   stride * static_cast<int64_t>(sizeof(float)), b & 1);
+      _tile_stored(0, scores + t * 16 * stride + b * 16,
+                   stride * static_cast<int64_t>(sizeof(float)));
     }
   }
   _tile_release();
@@ -523,15 +491,18 @@ void attend_prompt(const AttentionProblem& problem) {
   const int64_t positions = std::max<int64_t>(1, kPromptRows / problem.group());
   const int64_t num_key_blocks = (length + 15) / 16;
   const int64_t num_query_blocks = (length + positions - 1) / positions;
-  // The calling thread's buffer, shared with the team by this pointer (a thread_local named
-  // inside the parallel region would be each thread's own).
   // Scores on the tile unit (bfloat16, problem.amx) read the keys packed in pairs
-  // (pack_key_pairs), else the vector loop reads them transposed into float32.
+  // (pack_key_pairs), else the vector loop reads them transposed into float32. The calling
+  // thread's buffers, shared with the team by these pointers (a thread_local named inside the
+  // parallel region would be each thread's own).
   const bool amx = sizeof(T) == sizeof(uint16_t) && problem.amx;
   thread_local std::vector<float> transposed;
   thread_local std::vector<uint32_t> packed;
-  (amx ? packed.resize(kv_heads * num_key_blocks * HD / 2 * 16)
-       : transposed.resize(kv_heads * num_key_blocks * HD * 16));
+  if (amx) {
+    packed.resize(kv_heads * num_key_blocks * HD / 2 * 16);
+  } else {
+    transposed.resize(kv_heads * num_key_blocks * HD * 16);
+  }
   float* const blocks = transposed.data();
   uint32_t* const pairs = packed.data();
   const T* keys = static_cast<const T*>(problem.key_cache);

@@ -44,6 +44,11 @@ std::atomic<bool> portable{false};
 std::atomic<bool> attention_avx2{false};  // set_attention_avx2
 std::atomic<bool> attention_amx{true};     // set_attention_amx
 
+// The AVX-512 attention (trees and prompts) takes its scores on the AMX tile unit.
+bool amx_scores(Dtype dtype) {
+  return attention_amx.load() && dtype == Dtype::kBFloat16 && has_amx_bf16();
+}
+
 // Row [count] of `base` at `offset`, as float32, into out.
 SSSD_CLONES void to_float(const void* base, int64_t offset, int64_t count, Dtype dtype,
                           float* out) {
@@ -390,7 +395,7 @@ void attention(const void* q, const void* key_cache, const void* value_cache,
                            first_slot, num_seqs, num_nodes, heads, kv_heads, head_dim,
                            capacity, scale, dtype};
   const bool vector = !portable.load() && !attention_avx2.load() && has_avx512();
-  problem.amx = vector && attention_amx.load() && dtype == Dtype::kBFloat16 && has_amx_bf16();
+  problem.amx = vector && amx_scores(dtype);
   const bool avx2 = !portable.load() && !vector && has_avx2_fma();
   const int64_t items = num_seqs * kv_heads;
 #pragma omp parallel for schedule(dynamic, 1) if (items > 1)
@@ -415,7 +420,7 @@ bool prompt_attention(const void* q, const void* key_cache, const void* value_ca
   AttentionProblem problem{q,        key_cache, value_cache, nullptr,  nullptr, out,
                            slot,     1,         length,      heads,    kv_heads, head_dim,
                            capacity, scale,     dtype};
-  problem.amx = attention_amx.load() && dtype == Dtype::kBFloat16 && has_amx_bf16();
+  problem.amx = amx_scores(dtype);
   return detail::prompt_attention_avx512(problem);
 }
 
