@@ -540,3 +540,26 @@ def test_where_no_tree_pays_the_policy_stays_with_plain_decoding(profile_scale):
         tokens, seconds = simulate(measured_policy(profile), AVX2_B8, seed)
         ratios.append(tokens[32:].sum() / seconds[32:].sum() / plain)
     assert np.median(ratios) >= 0.97 and min(ratios) >= 0.95, ratios
+
+
+@pytest.mark.parametrize("row_decay", [0.05, 0.1])
+def test_a_sequence_estimate_follows_its_own_steps_at_row_decay(row_decay):
+    """After its first steps (the global start is worth ROW_PRIOR_WEIGHT of them), a sequence's
+    own increment moves `row_decay` of the way to each of its steps, and never below that."""
+    profile = ForwardProfile([1], [1, 2], np.array([[0.04, 0.04]]))
+    policy = MeasuredBudget(profile, max_budget=2, hindsight_every=0, prior={1: 0.0, 2: 0.0},
+                            row_decay=row_decay)
+    for _ in range(200):  # accepts its draft every step: its own estimate reaches 1
+        policy.observe(1, 2, [[1]], 0.04, rows=["seq"])
+    before = policy._batch_acceptance(["seq"])[2]
+    assert before == pytest.approx(1.0, abs=1e-3)
+    for _ in range(10):  # then none
+        policy.observe(1, 2, [[]], 0.04, rows=["seq"])
+    assert policy._batch_acceptance(["seq"])[2] == pytest.approx(before * (1 - row_decay) ** 10)
+
+
+def test_row_decay_out_of_range_is_refused():
+    profile = ForwardProfile([1], [1, 2], np.array([[0.04, 0.04]]))
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="row_decay"):
+            MeasuredBudget(profile, max_budget=2, row_decay=bad)
