@@ -21,3 +21,6 @@ for set in code mt_bench; do
     --policies measured,fixed:16 --chunks 4 --hf-prompts 0 --drafter inproc $P \
     --png $R/e2e-smol-$set-b1.png 2> $R/e2e-smol-$set-b1.err > $R/e2e-smol-$set-b1.jsonl
 done
+# Qwen2.5-Coder-1.5B prefill after the prompt attention's scores moved to the AMX tile unit:
+.venv/bin/python bench/prefill.py --models qwen-coder-1.5b --lengths 512,2000 --systems engine,vllm \
+  --rounds 2 --repeats 2 --out $R/prefill-qwen.jsonl
