@@ -13,10 +13,12 @@ budgets they choose. Variants: `--row-decays` (how fast a sequence's own accepta
 follows its steps, MeasuredBudget's `row_decay`).
 
     .venv/bin/python bench/policy_engine.py --sets code,mt_bench --prompts 16 --batch-size 1 \\
-        --costs 1:18.3,2:20.6,4:21.1,8:22.2,16:24.1,32:31.5 --fixed 8,16 --row-decays 0.1,0.05
+        --costs 1:18.3,2:20.6,4:21.1,8:22.2,16:24.1,32:31.5 --fixed 8,16 --row-decays 0.1,0.05 \\
+        --orders 3
 
-Prints one JSON object per (set, configuration): priced tokens/s, its ratio to the best fixed
-budget's, tokens per step and budgets by steps.
+Prints one JSON object per (set, order, configuration): priced tokens/s, its ratio to the best
+fixed budget's, tokens per step and budgets by steps; with `--orders` above 1, then one per
+(set, configuration) with the median and lowest ratio over the orders.
 """
 
 from __future__ import annotations
@@ -98,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", type=Path, default=Path("var/forward-profile.json"),
                         help="the measured policy's forward profile (measured when missing)")
     args = parser.parse_args(argv)
+    if not [s for s in args.fixed.split(",") if s]:
+        raise SystemExit("--fixed needs at least one budget: the ratios are to the best of them")
     configure_logging()
 
     loaded = load_causal_lm(args.model, args.dtype, "cpu")
@@ -137,7 +141,7 @@ def run_order(args: argparse.Namespace, loaded, datastore: Path, configs: list,
     for name, policy, row_decay in configs:
         run = Run(loaded, "sssd", args.batch_size, policy, max_len, None, datastore,
                   args.profile, prompts[: args.batch_size])
-        if row_decay is not None:
+        if row_decay is not None:  # after the engine's warm-up (8 tokens), run at the default
             run.engine.budget_policy.row_decay = row_decay
         runs[name] = PricedRun(run, args.costs, drain_costs, args.drain_rows)
     num_chunks = max(1, min(args.chunks, len(prompts) // args.batch_size))
@@ -150,19 +154,18 @@ def run_order(args: argparse.Namespace, loaded, datastore: Path, configs: list,
         # The first token of each answer comes from its prompt's pass, not a priced step.
         tokens = sum(len(o) - 1 for o in priced.run.outputs if o)
         rates[name] = tokens / priced.priced_seconds()
-    best = max((name for name in rates if name.startswith("fixed:")), key=rates.get,
-               default=None)
+    best = max((name for name in rates if name.startswith("fixed:")), key=rates.get)
     ratios = {}
     for name, priced in runs.items():
         row = priced.run.row()
-        ratios[name] = rates[name] / rates[best] if best else float("nan")
+        ratios[name] = rates[name] / rates[best]
         budgets = Counter()
         for (_, budget), n in priced.steps.items():
             budgets[budget] += n
         print(json.dumps({
             "set": set_name, "config": name, "batch": args.batch_size, "order": order,
             "priced_tok_s": round(rates[name], 3),
-            "ratio_to_best_fixed": round(rates[name] / rates[best], 4) if best else None,
+            "ratio_to_best_fixed": round(ratios[name], 4),
             "best_fixed": best, "tokens_per_step": round(row["tokens_per_step"], 3),
             "budget_counts": {str(k): v for k, v in sorted(budgets.items())},
             "same_as_first": sum(a == b for a, b in zip(priced.run.outputs, first_outputs)),
