@@ -50,6 +50,7 @@ class PricedRun:
     def __init__(self, run: Run, costs: dict[int, float], drain_costs: dict[int, float],
                  drain_rows: int) -> None:
         self.run = run
+        self.costs, self.drain_costs = costs, drain_costs
         self.steps: Counter[tuple[bool, int]] = Counter()  # (drained, budget) -> steps
         policy = run.engine.budget_policy
         observe = policy.observe
@@ -58,15 +59,17 @@ class PricedRun:
             drained = batch_size < drain_rows
             self.steps[(drained, budget)] += 1
             if step_s is not None:  # a timed step: the policy is told its price instead
-                step_s = (drain_costs if drained else costs)[budget] / 1e3
+                step_s = self.price(drained, budget)
             observe(batch_size, budget, accepted_nodes, step_s, rows)
 
         policy.observe = priced
-        self.costs, self.drain_costs = costs, drain_costs
+
+    def price(self, drained: bool, budget: int) -> float:
+        """Seconds a step at `budget` costs, at the full batch or (`drained`) the drain's."""
+        return (self.drain_costs if drained else self.costs)[budget] / 1e3
 
     def priced_seconds(self) -> float:
-        return sum((self.drain_costs if drained else self.costs)[budget] * n / 1e3
-                   for (drained, budget), n in self.steps.items())
+        return sum(self.price(*step) * n for step, n in self.steps.items())
 
 
 def main(argv: list[str] | None = None) -> None:
