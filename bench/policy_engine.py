@@ -10,7 +10,17 @@ its budget's cost from `--costs` (the milliseconds a step took at each fixed bud
 `--drain-costs`). The measured policy is told those costs as its steps' times, so two policy
 variants meet the same answers, the same drafts and the same prices: what differs is only the
 budgets they choose. Variants: `--row-decays` (how fast a sequence's own acceptance estimate
-follows its steps, MeasuredBudget's `row_decay`).
+follows its steps, MeasuredBudget's `row_decay`). The measured policy starts afresh after the
+engine's warm-up, so that it learns from priced steps only and a run repeats to the last digit.
+
+A cost table has no noise, and a real machine's step times scatter about their medians, with a
+slow tail. `--record-steps FILE` writes the real seconds of every timed step, by configuration
+and budget; `--step-noise FILE` reads such a file and adds to each priced step one of its
+steps' excess over their budget's median (drawn with a seed per order, the same draws for every
+configuration), so that the policy's estimates of step cost meet the machine's scatter, and the
+same scatter in every variant and every run. A machine's excess comes in spells (consecutive
+steps' correlate, 0.2-0.3 apart by one step on the 2-core Xeon): `--noise-block K` draws runs of
+K consecutive recorded steps instead of single ones.
 
     .venv/bin/python bench/policy_engine.py --sets code,mt_bench --prompts 16 --batch-size 1 \\
         --costs 1:18.3,2:20.6,4:21.1,8:22.2,16:24.1,32:31.5 --fixed 8,16 --row-decays 0.1,0.05 \\
@@ -41,35 +51,61 @@ from sssd.cli.datastores import check_datastore, pick_datastore  # noqa: E402
 from sssd.common.config.logs import configure_logging  # noqa: E402
 from sssd.common.data.corpus import prompt_token_ids  # noqa: E402
 from sssd.common.model.loader import load_causal_lm  # noqa: E402
-from sssd.verifier.engine.budget_policy import ROW_DECAY  # noqa: E402
+from sssd.verifier.engine.budget_policy import (  # noqa: E402
+    DEFAULT_ACCEPTANCE_PRIOR,
+    ROW_DECAY,
+    MeasuredBudget,
+)
 
 
 class PricedRun:
     """One configuration's engine, whose steps are priced from the tables instead of timed."""
 
     def __init__(self, run: Run, costs: dict[int, float], drain_costs: dict[int, float],
-                 drain_rows: int) -> None:
+                 drain_rows: int, noise_ms: list[np.ndarray] | None = None, seed: int = 0,
+                 noise_block: int = 1) -> None:
+        """`noise_ms`: sequences of excess milliseconds over the table; each step adds the next
+        of a run of `noise_block` consecutive ones, runs drawn (seeded) anywhere in them."""
         self.run = run
         self.costs, self.drain_costs = costs, drain_costs
+        self.noise_ms, self.noise_block = noise_ms, noise_block
+        self._rng = np.random.default_rng(seed)
+        self._pending: list[float] = []  # the rest of the current run of draws, last first
         self.steps: Counter[tuple[bool, int]] = Counter()  # (drained, budget) -> steps
+        self.seconds = 0.0  # the priced steps' total
+        self.real_seconds: dict[int, list[float]] = {}  # budget -> real seconds of timed steps
         policy = run.engine.budget_policy
         observe = policy.observe
 
         def priced(batch_size, budget, accepted_nodes, step_s, rows=None):
             drained = batch_size < drain_rows
             self.steps[(drained, budget)] += 1
+            price = self.price(drained, budget)
+            self.seconds += price
             if step_s is not None:  # a timed step: the policy is told its price instead
-                step_s = self.price(drained, budget)
+                self.real_seconds.setdefault(budget, []).append(step_s)
+                step_s = price
             observe(batch_size, budget, accepted_nodes, step_s, rows)
 
         policy.observe = priced
 
     def price(self, drained: bool, budget: int) -> float:
-        """Seconds a step at `budget` costs, at the full batch or (`drained`) the drain's."""
-        return (self.drain_costs if drained else self.costs)[budget] / 1e3
+        """Seconds a step at `budget` costs, at the full batch or (`drained`) the drain's, plus
+        a draw of the noise if any (never below half the table's)."""
+        table = (self.drain_costs if drained else self.costs)[budget]
+        if self.noise_ms is None:
+            return table / 1e3
+        return max(0.5 * table, table + self._next_noise()) / 1e3
 
-    def priced_seconds(self) -> float:
-        return sum(self.price(*step) * n for step, n in self.steps.items())
+    def _next_noise(self) -> float:
+        if not self._pending:  # a run starting at any recorded step, all equally likely
+            at = int(self._rng.integers(sum(len(s) for s in self.noise_ms)))
+            for sequence in self.noise_ms:
+                if at < len(sequence):
+                    break
+                at -= len(sequence)
+            self._pending = [float(x) for x in sequence[at: at + self.noise_block][::-1]]
+        return self._pending.pop()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,9 +136,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fixed", default="8,16", help="fixed budgets to compare (8,16)")
     parser.add_argument("--row-decays", default=str(ROW_DECAY),
                         help=f"measured policy variants by row_decay ({ROW_DECAY})")
+    parser.add_argument("--step-noise", type=Path, default=None,
+                        help="a --record-steps file: each priced step gets one of its steps' "
+                        "excess over their budget's median added")
+    parser.add_argument("--noise-block", type=int, default=1,
+                        help="draw the noise in runs of this many consecutive recorded steps "
+                        "(1: each step alone)")
+    parser.add_argument("--record-steps", type=Path, default=None,
+                        help="write the real seconds of every timed step here (JSON, by set, "
+                        "order, configuration and budget)")
     parser.add_argument("--profile", type=Path, default=Path("var/forward-profile.json"),
                         help="the measured policy's forward profile (measured when missing)")
     args = parser.parse_args(argv)
+    if args.noise_block < 1:
+        raise SystemExit("--noise-block must be at least 1")
     if not [s for s in args.fixed.split(",") if s]:
         raise SystemExit("--fixed needs at least one budget: the ratios are to the best of them")
     configure_logging()
@@ -113,9 +160,11 @@ def main(argv: list[str] | None = None) -> None:
         check_datastore(datastore, loaded.fingerprint)
     except ValueError as error:
         raise SystemExit(str(error)) from None
+    noise_ms = None if args.step_noise is None else step_noise(args.step_noise)
     drain_costs = args.drain_costs or args.costs
     configs = [(f"fixed:{s}", f"fixed:{s}", None) for s in args.fixed.split(",") if s] + \
         [(f"measured:row_decay={d}", "measured", float(d)) for d in args.row_decays.split(",")]
+    recorded: dict = {}
     for set_name in args.sets.split(","):
         given = [prompt_token_ids(loaded.tokenizer, text)
                  for text in prompt_texts(set_name, args.prompts)]
@@ -125,8 +174,11 @@ def main(argv: list[str] | None = None) -> None:
             prompts = given if order == 0 else \
                 [given[i] for i in np.random.default_rng(order).permutation(len(given))]
             for name, ratio in run_order(args, loaded, datastore, configs, drain_costs, prompts,
-                                         max_len, set_name, order).items():
+                                         max_len, set_name, order, noise_ms,
+                                         recorded.setdefault(f"{set_name}/{order}", {})).items():
                 ratios[name].append(ratio)
+            if args.record_steps is not None:  # after every order: a long run keeps its part
+                args.record_steps.write_text(json.dumps(recorded))
         if args.orders > 1:
             for name, values in ratios.items():
                 print(json.dumps({"set": set_name, "config": name, "batch": args.batch_size,
@@ -137,16 +189,26 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_order(args: argparse.Namespace, loaded, datastore: Path, configs: list,
               drain_costs: dict[int, float], prompts: list[list[int]], max_len: int,
-              set_name: str, order: int) -> dict[str, float]:
-    """Every configuration over the prompts in this order; prints their rows and returns each
-    one's priced rate over the best fixed budget's."""
+              set_name: str, order: int, noise_ms: list[np.ndarray] | None,
+              recorded: dict) -> dict[str, float]:
+    """Every configuration over the prompts in this order; prints their rows, puts the real
+    seconds of their timed steps in `recorded` (configuration -> budget -> seconds) and
+    returns each one's priced rate over the best fixed budget's."""
     runs = {}
     for name, policy, row_decay in configs:
         run = Run(loaded, "sssd", args.batch_size, policy, max_len, None, datastore,
                   args.profile, prompts[: args.batch_size])
-        if row_decay is not None:  # after the engine's warm-up (8 tokens), run at the default
-            run.engine.budget_policy.row_decay = row_decay
-        runs[name] = PricedRun(run, args.costs, drain_costs, args.drain_rows)
+        warmed = run.engine.budget_policy
+        if isinstance(warmed, MeasuredBudget):
+            # The engine's warm-up (8 tokens) ran this policy on real step times, which its
+            # estimates would keep (a budget timed there and seldom run again keeps its
+            # real-time estimate for good): every run then differed, by up to 2.5 points of
+            # the ratio. A policy as the engine builds it, learning from priced steps only.
+            run.engine.budget_policy = MeasuredBudget(
+                warmed.profile, warmed.candidates[-1][1], prior=DEFAULT_ACCEPTANCE_PRIOR,
+                row_decay=row_decay)
+        runs[name] = PricedRun(run, args.costs, drain_costs, args.drain_rows, noise_ms,
+                               seed=order, noise_block=args.noise_block)
     num_chunks = max(1, min(args.chunks, len(prompts) // args.batch_size))
     for chunk in (prompts[i::num_chunks] for i in range(num_chunks)):
         for priced in runs.values():
@@ -156,7 +218,8 @@ def run_order(args: argparse.Namespace, loaded, datastore: Path, configs: list,
     for name, priced in runs.items():
         # The first token of each answer comes from its prompt's pass, not a priced step.
         tokens = sum(len(o) - 1 for o in priced.run.outputs if o)
-        rates[name] = tokens / priced.priced_seconds()
+        rates[name] = tokens / priced.seconds
+        recorded[name] = {str(b): v for b, v in sorted(priced.real_seconds.items())}
     best = max((name for name in rates if name.startswith("fixed:")), key=rates.get)
     ratios = {}
     for name, priced in runs.items():
@@ -177,6 +240,22 @@ def run_order(args: argparse.Namespace, loaded, datastore: Path, configs: list,
         }), flush=True)
         priced.run.close()
     return ratios
+
+
+def step_noise(path: Path, min_steps: int = 20) -> list[np.ndarray]:
+    """Milliseconds each recorded step took beyond the median of its (set, order,
+    configuration, budget), in the order they ran, for those with at least `min_steps`
+    steps."""
+    try:
+        recorded = json.loads(path.read_text())
+        excess = [1e3 * (np.asarray(seconds, dtype=np.float64) - np.median(seconds))
+                  for configs in recorded.values() for budgets in configs.values()
+                  for seconds in budgets.values() if len(seconds) >= min_steps]
+    except (OSError, ValueError, AttributeError, TypeError) as error:
+        raise SystemExit(f"--step-noise {path}: not a --record-steps file ({error})") from None
+    if not excess:
+        raise SystemExit(f"--step-noise {path}: no budget with {min_steps} or more steps")
+    return excess
 
 
 if __name__ == "__main__":

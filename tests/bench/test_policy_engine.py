@@ -1,14 +1,16 @@
 """bench/policy_engine.py: the steps of a configuration are priced from the cost tables, and the
 policy is told those prices as its timed steps' times."""
 
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from policy_engine import PricedRun  # noqa: E402
+from policy_engine import PricedRun, step_noise  # noqa: E402
 
 COSTS = {1: 10.0, 2: 11.0, 4: 12.0, 8: 14.0, 16: 18.0, 32: 30.0}
 DRAIN = {1: 5.0, 2: 6.0, 4: 7.0, 8: 8.0, 16: 9.0, 32: 10.0}
@@ -33,4 +35,49 @@ def test_steps_are_priced_by_budget_and_rows_and_the_policy_is_told_the_price():
     assert policy.calls == [(4, 8, pytest.approx(0.014)), (4, 16, None),
                             (2, 8, pytest.approx(0.008))]
     # every step is priced, timed or not
-    assert priced.priced_seconds() == pytest.approx((14.0 + 18.0 + 8.0) / 1e3)
+    assert priced.seconds == pytest.approx((14.0 + 18.0 + 8.0) / 1e3)
+    assert priced.real_seconds == {8: [0.5, 0.25]}  # what the timed steps really took
+
+
+def noisy_run(seed, noise, block=1, steps=32):
+    policy = Recorder()
+    priced = PricedRun(SimpleNamespace(engine=SimpleNamespace(budget_policy=policy)), COSTS,
+                       DRAIN, drain_rows=1, noise_ms=noise, seed=seed, noise_block=block)
+    for budget in ((8, 16, 8, 8, 16, 4, 8, 16) * steps)[:steps]:
+        policy.observe(1, budget, [[1]], 0.1)
+    excess = [round(1e3 * step_s - COSTS[b], 9) for _, b, step_s in policy.calls]
+    return priced, [step_s for _, _, step_s in policy.calls], excess
+
+
+def test_noise_is_drawn_per_step_the_same_for_every_configuration_of_an_order():
+    noise = [np.array([-1.0, 0.0, 4.0]), np.array([40.0])]
+    priced, told, excess = noisy_run(0, noise)
+    assert set(excess) == {-1.0, 0.0, 4.0, 40.0}  # each a draw of the noise
+    assert priced.seconds == pytest.approx(sum(told))  # the policy is told what is charged
+    assert noisy_run(0, noise)[1] == told and noisy_run(1, noise)[1] != told
+
+
+def test_noise_blocks_are_runs_of_consecutive_recorded_steps():
+    sequence = np.arange(1000.0)  # recorded excess 0, 1, 2, ... ms, in the order they ran
+
+    def breaks(block):  # steps whose excess does not follow the step before's in the recording
+        excess = noisy_run(3, [sequence], block=block, steps=64)[2]
+        return sum(b - a != 1 for a, b in zip(excess, excess[1:]))
+
+    assert 4 <= breaks(8) <= 8  # runs of 8 (63 pairs: 7 run boundaries), drawn anywhere
+    assert breaks(1) >= 60  # single steps: almost never two in recorded order
+
+
+def test_step_noise_is_the_excess_over_each_budget_median(tmp_path):
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps({"code/0": {"fixed:8": {"8": [0.020] * 15 + [0.021] * 4 + [0.05]},
+                                           "measured": {"4": [0.1] * 5}}}))  # too few: left out
+    noise = step_noise(path)
+    assert len(noise) == 1
+    assert list(np.round(noise[0], 6)) == [0.0] * 15 + [1.0] * 4 + [30.0]  # in recorded order
+    path.write_text(json.dumps({"code/0": {"fixed:8": {"8": [0.02] * 5}}}))
+    with pytest.raises(SystemExit, match="no budget with 20"):
+        step_noise(path)
+    path.write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="not a --record-steps file"):
+        step_noise(path)
