@@ -44,9 +44,11 @@ PROFILE_WEIGHT = 8  # a profiled step time counts as this many observed ones
 # sent it to budgets below the best more often than its later steps bore out. Side by side in
 # the engine, every step priced from one cost table (bench/policy_engine.py, SmolLM2-135M,
 # 16 prompts, medians over 3-4 orders of them), the measured policy over the best fixed budget
-# went 0.976 -> 0.985 (code) and 0.953 -> 0.975 (MT-Bench) at b = 1, 1.003 -> 0.994 and
-# 0.976 -> 0.986 at b = 4; by replay (bench/policy_replay.py, 6 seeds) Qwen2.5-Coder-1.5B at
-# b = 1 moved by less than half a point either way.
+# went 0.980 -> 0.989 (code) and 0.966 -> 0.978 (MT-Bench) at b = 1 (3 orders, the bench's
+# policy learning from priced steps only), 1.003 -> 0.994 and 0.976 -> 0.986 at b = 4 (4 orders,
+# a run that let the engine's warm-up leave real step times in it); by replay
+# (bench/policy_replay.py, 6 seeds) Qwen2.5-Coder-1.5B at b = 1 moved by less than half a
+# point either way.
 ROW_PRIOR_WEIGHT = 4
 ROW_DECAY = 0.05
 MAX_ROWS = 1024
