@@ -18,8 +18,8 @@ slow tail. `--record-steps FILE` writes the real seconds of every timed step, by
 and budget; `--step-noise FILE` reads such a file and adds to each priced step one of its
 steps' excess over their budget's median (drawn with a seed per order, the same draws for every
 configuration), so that the policy's estimates of step cost meet the machine's scatter, and the
-same scatter in every variant and every run. A machine's excess comes in spells (consecutive
-steps' correlate, 0.2-0.3 apart by one step on the 2-core Xeon): `--noise-block K` draws runs of
+same scatter in every variant and every run. A machine's excess comes in spells (the excesses of
+consecutive steps correlate by 0.2-0.3 on the 2-core Xeon): `--noise-block K` draws runs of
 K consecutive recorded steps instead of single ones.
 
     .venv/bin/python bench/policy_engine.py --sets code,mt_bench --prompts 16 --batch-size 1 \\
