@@ -36,3 +36,6 @@ done
 # 6. Scratch: budget_policy.RESETTLE patched to 0.2 (a scratch wrapper setting the module
 #    constant, then calling policy_engine.main), --fixed 16, in runs of 25 steps
 #    (noise-smol-b1-block25-resettle20.jsonl) and step by step (noise-smol-b1-resettle20.jsonl).
+# 7. Six orders in runs of 25 steps, --fixed 16, the default (RESETTLE 0.1, through the same
+#    scratch wrapper) and RESETTLE 0.2: noise-smol-b1-block25-6orders{,-resettle20}.jsonl
+#    (orders 0-2 repeat the 3-order runs' lines exactly).
