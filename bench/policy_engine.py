@@ -71,16 +71,16 @@ class PricedRun:
         self.noise_ms, self.noise_block = noise_ms, noise_block
         self._rng = np.random.default_rng(seed)
         self._pending: list[float] = []  # the rest of the current run of draws, last first
-        self.steps: Counter[tuple[bool, int]] = Counter()  # (drained, budget) -> steps
+        self._num_noise = sum(len(sequence) for sequence in noise_ms or ())
+        self.steps: Counter[int] = Counter()  # budget -> steps
         self.seconds = 0.0  # the priced steps' total
         self.real_seconds: dict[int, list[float]] = {}  # budget -> real seconds of timed steps
         policy = run.engine.budget_policy
         observe = policy.observe
 
         def priced(batch_size, budget, accepted_nodes, step_s, rows=None):
-            drained = batch_size < drain_rows
-            self.steps[(drained, budget)] += 1
-            price = self.price(drained, budget)
+            self.steps[budget] += 1
+            price = self.price(batch_size < drain_rows, budget)
             self.seconds += price
             if step_s is not None:  # a timed step: the policy is told its price instead
                 self.real_seconds.setdefault(budget, []).append(step_s)
@@ -99,7 +99,7 @@ class PricedRun:
 
     def _next_noise(self) -> float:
         if not self._pending:  # a run starting at any recorded step, all equally likely
-            at = int(self._rng.integers(sum(len(s) for s in self.noise_ms)))
+            at = int(self._rng.integers(self._num_noise))
             for sequence in self.noise_ms:
                 if at < len(sequence):
                     break
@@ -198,15 +198,7 @@ def run_order(args: argparse.Namespace, loaded, datastore: Path, configs: list,
     for name, policy, row_decay in configs:
         run = Run(loaded, "sssd", args.batch_size, policy, max_len, None, datastore,
                   args.profile, prompts[: args.batch_size])
-        warmed = run.engine.budget_policy
-        if isinstance(warmed, MeasuredBudget):
-            # The engine's warm-up (8 tokens) ran this policy on real step times, which its
-            # estimates would keep (a budget timed there and seldom run again keeps its
-            # real-time estimate for good): every run then differed, by up to 2.5 points of
-            # the ratio. A policy as the engine builds it, learning from priced steps only.
-            run.engine.budget_policy = MeasuredBudget(
-                warmed.profile, warmed.candidates[-1][1], prior=DEFAULT_ACCEPTANCE_PRIOR,
-                row_decay=row_decay)
+        run.engine.budget_policy = after_warm_up(run.engine.budget_policy, row_decay)
         runs[name] = PricedRun(run, args.costs, drain_costs, args.drain_rows, noise_ms,
                                seed=order, noise_block=args.noise_block)
     num_chunks = max(1, min(args.chunks, len(prompts) // args.batch_size))
@@ -225,21 +217,30 @@ def run_order(args: argparse.Namespace, loaded, datastore: Path, configs: list,
     for name, priced in runs.items():
         row = priced.run.row()
         ratios[name] = rates[name] / rates[best]
-        budgets = Counter()
-        for (_, budget), n in priced.steps.items():
-            budgets[budget] += n
         print(json.dumps({
             "set": set_name, "config": name, "batch": args.batch_size, "order": order,
             "priced_tok_s": round(rates[name], 3),
             "ratio_to_best_fixed": round(ratios[name], 4),
             "best_fixed": best, "tokens_per_step": round(row["tokens_per_step"], 3),
-            "budget_counts": {str(k): v for k, v in sorted(budgets.items())},
+            "budget_counts": {str(k): v for k, v in sorted(priced.steps.items())},
             "same_as_first": sum(a == b for a, b in zip(priced.run.outputs, first_outputs)),
             "num_prompts": len(prompts), "max_tokens": args.max_tokens,
             "model": args.model or "SmolLM2-135M-Instruct", "datastore": str(datastore),
         }), flush=True)
         priced.run.close()
     return ratios
+
+
+def after_warm_up(policy, row_decay: float | None):
+    """The policy to price steps with once the engine has warmed up: a measured one afresh, as
+    the engine builds it (at `row_decay`), a fixed one as it is. The warm-up (8 tokens) ran the
+    measured policy on real step times, which its estimates would keep (a budget timed there
+    and seldom run again keeps its real-time estimate for good): every run then differed, by up
+    to 2.5 points of the ratio."""
+    if not isinstance(policy, MeasuredBudget):
+        return policy
+    return MeasuredBudget(policy.profile, policy.candidates[-1][1],
+                          prior=DEFAULT_ACCEPTANCE_PRIOR, row_decay=row_decay)
 
 
 def step_noise(path: Path, min_steps: int = 20) -> list[np.ndarray]:

@@ -9,8 +9,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from sssd.verifier.engine.budget_policy import (
+    DEFAULT_BUDGETS,
+    FixedBudget,
+    ForwardProfile,
+    MeasuredBudget,
+)
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from policy_engine import PricedRun, step_noise  # noqa: E402
+from policy_engine import PricedRun, after_warm_up, step_noise  # noqa: E402
 
 COSTS = {1: 10.0, 2: 11.0, 4: 12.0, 8: 14.0, 16: 18.0, 32: 30.0}
 DRAIN = {1: 5.0, 2: 6.0, 4: 7.0, 8: 8.0, 16: 9.0, 32: 10.0}
@@ -37,6 +44,22 @@ def test_steps_are_priced_by_budget_and_rows_and_the_policy_is_told_the_price():
     # every step is priced, timed or not
     assert priced.seconds == pytest.approx((14.0 + 18.0 + 8.0) / 1e3)
     assert priced.real_seconds == {8: [0.5, 0.25]}  # what the timed steps really took
+    assert priced.steps == {8: 2, 16: 1}
+
+
+def test_the_measured_policy_forgets_the_warm_up_and_a_fixed_one_is_kept():
+    profile = ForwardProfile([1], DEFAULT_BUDGETS, np.array([[0.02] * len(DEFAULT_BUDGETS)]))
+    warmed = MeasuredBudget(profile, max_budget=16)
+    for _ in range(4):  # the warm-up's steps, timed for real
+        warmed.observe(1, 16, [[1, 2]], 0.09)
+    assert warmed.observed_seconds
+    fresh = after_warm_up(warmed, row_decay=0.1)
+    assert isinstance(fresh, MeasuredBudget) and fresh is not warmed
+    assert fresh.observed_seconds == {} and fresh.row_decay == 0.1
+    assert fresh.expected_accepted[16] == pytest.approx(1.3)  # the prior, not the warm-up
+    assert fresh.profile is profile and [s for _, s in fresh.candidates] == [1, 2, 4, 8, 16]
+    fixed = FixedBudget(8)
+    assert after_warm_up(fixed, row_decay=None) is fixed
 
 
 def noisy_run(seed, noise, block=1, steps=32):
