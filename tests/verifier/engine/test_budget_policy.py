@@ -6,6 +6,7 @@ import pytest
 from sssd.verifier.engine.budget_policy import (
     DEFAULT_ACCEPTANCE_PRIOR,
     DEFAULT_BUDGETS,
+    RECENT_STEPS,
     FixedBudget,
     ForwardProfile,
     MeasuredBudget,
@@ -232,7 +233,8 @@ def test_an_overpriced_budget_is_calibrated_a_bounded_number_of_times():
     chosen = serve(policy, 1, 40, lambda s: [[node for node in (1, 2, 5) if node < s]],
                    lambda s: 0.04)
     assert chosen[:10] == [1, 2, 2, 2, 4, 4, 4, 8, 8, 8]
-    assert chosen[10:] == [8] * 30
+    # then 8, the largest budget, with 4 explored now and then (no tree is drafted beyond 8)
+    assert chosen[10:].count(8) >= 28 and set(chosen[10:]) <= {4, 8}, chosen
 
 
 def test_a_profile_that_prices_every_budget_too_high_does_not_keep_the_policy_at_the_top():
@@ -267,20 +269,24 @@ UNIFORM_BUSY_PROFILE = {s: 3.4 * t for s, t in QUIET.items()}
 BUDGETS = (1, 2, 4, 8, 16, 32)
 
 
-def simulate(choose, true_seconds, seed, num_steps=300, spell=None):
+def simulate(choose, true_seconds, seed, num_steps=300, spell=None, burst=1):
     """Tokens and seconds of each step of a b = 1 server. A step accepts a chain of draft
     tokens, geometric-like (the first with probability 0.35, each next 0.6), cut at the
-    budget; its time is the budget's true cost, +-10 %, and 3x on one step in 50 (a spike).
-    `spell` = (slowdown, steps): every other run of that many steps the machine is that much
-    slower (a shared machine's slow spells). The same seed gives every policy the same drafts
-    and noise."""
+    budget; its time is the budget's true cost, +-10 %, and 3x on one step in 50 (a spike),
+    or on runs of `burst` consecutive steps as often. `spell` = (slowdown, steps): every other
+    run of that many steps the machine is that much slower (a shared machine's slow spells).
+    The same seed gives every policy the same drafts and noise."""
     rng = np.random.default_rng(seed)
     tokens, seconds = [], []
+    spiked = 0  # steps left of the current spike
     for step in range(num_steps):
         length, p = 0, 0.35
         while rng.random() < p:
             length, p = length + 1, 0.6
-        noise = rng.uniform(0.9, 1.1) * (3.0 if rng.random() < 0.02 else 1.0)
+        if rng.random() < 0.02 / burst:
+            spiked = burst
+        noise = rng.uniform(0.9, 1.1) * (3.0 if spiked else 1.0)
+        spiked = max(0, spiked - 1)
         if spell is not None and (step // spell[1]) % 2:
             noise *= spell[0]
         budget = choose(length, lambda s: true_seconds[s] * noise)
@@ -349,6 +355,106 @@ def test_slow_spells_do_not_rank_budgets_by_when_they_were_timed(spell_steps):
                                    spell=(1.4, spell_steps))
         ratios.append(tokens[32:].sum() / seconds[32:].sum() / max(rates.values()))
     assert np.median(ratios) >= 0.95 and min(ratios) >= 0.9, ratios
+
+
+@pytest.mark.parametrize("spell_steps", [None, 25])
+def test_bursts_of_slow_steps_do_not_keep_a_budget_out(spell_steps):
+    """A shared machine's slow steps come in bursts (3 in a row here, 3x each, as often as the
+    single spikes above): a burst over most of a budget's first steps, or over the steps of a
+    budget run now and then, must not price it out for the rest of the run (twelve seeds of
+    600 steps; median within 5 %, none beyond 10 %). Before, one seed served at 0.85 of the
+    best budget: three slow steps among budget 4's first four priced it at 3x, a clear loser,
+    explored every few hundred steps."""
+    ratios = []
+    spell = {} if spell_steps is None else {"spell": (1.4, spell_steps)}
+    for seed in range(12):
+        rates = {}
+        for budget in BUDGETS:
+            tokens, seconds = simulate(lambda length, at, s=budget: s, QUIET, seed,
+                                       num_steps=600, burst=3, **spell)
+            rates[budget] = tokens[32:].sum() / seconds[32:].sum()
+        tokens, seconds = simulate(measured_policy(QUIET), QUIET, seed, num_steps=600, burst=3,
+                                   **spell)
+        ratios.append(tokens[32:].sum() / seconds[32:].sum() / max(rates.values()))
+    assert np.median(ratios) >= 0.95 and min(ratios) >= 0.9, ratios
+
+
+def settled_at_the_same_pace(budgets=(8, 16), seconds=(0.04, 0.05)):
+    """A measured policy whose budgets have settled (RECENT_STEPS steps each), all at pace 1;
+    the first budget then sets the pace."""
+    profile = ForwardProfile([1], list(budgets), np.array([list(seconds)]))
+    policy = MeasuredBudget(profile, max_budget=max(budgets), prior=DEFAULT_ACCEPTANCE_PRIOR)
+    for s, t in zip(budgets, seconds):
+        for _ in range(RECENT_STEPS):
+            policy.observe(1, s, [[]], t)
+    for _ in range(RECENT_STEPS):
+        policy.observe(1, budgets[0], [[]], seconds[0])
+    return policy
+
+
+def test_two_slow_steps_in_three_do_not_double_a_budget_run_now_and_then():
+    # Budget 8 sets the pace; 16, run now and then, meets two 3x steps and a normal one. The
+    # median of its last three (the re-timing before) said 3x and priced it out.
+    policy = settled_at_the_same_pace()
+    for factor in (3.0, 3.0, 1.0):
+        policy.observe(1, 16, [[]], 0.05 * factor)
+        for _ in range(4):
+            policy.observe(1, 8, [[]], 0.04)
+    assert policy.pace == pytest.approx(1.0)
+    assert policy.observed_seconds[(1, 16)] == pytest.approx(0.05 * 1.1 ** 0.5, rel=0.01)
+
+
+def test_steps_at_a_budget_not_yet_settled_never_follow_one_another():
+    # 8 settled and sets the pace; 16, never run, is the best by the prior. Until 16 has settled
+    # (RECENT_STEPS steps) a settled budget's step runs between any two of its steps, so the
+    # pace they are divided by is never older than one step; then 16 runs alone.
+    profile = ForwardProfile([1], [8, 16], np.array([[0.04, 0.041]]))
+    policy = MeasuredBudget(profile, max_budget=16, prior={8: 1.0, 16: 2.0}, hindsight_every=0)
+    for _ in range(2 * RECENT_STEPS):
+        policy.observe(1, 8, [[1]], 0.04)
+    chosen = []
+    for _ in range(4 * RECENT_STEPS):
+        budget = policy.budget(1)
+        chosen.append(budget)
+        policy.observe(1, budget, [[1, 2, 3]] if budget == 16 else [[1]], 0.041)
+    first_settled = [i for i, s in enumerate(chosen) if s == 16][RECENT_STEPS - 1]
+    assert all(a != 16 or b != 16 for a, b in zip(chosen[:first_settled],
+                                                  chosen[1:first_settled + 1])), chosen
+    assert chosen[first_settled + 1:].count(16) >= len(chosen) - first_settled - 3, chosen
+
+
+def test_at_the_largest_budget_the_next_smaller_one_is_explored_without_hindsight():
+    # The profile (an hour when the machine was slower) prices 16 at 22.3 ms; the machine now
+    # runs 32 at 21.6 and 16 at 17. At 32 no hindsight tree is ever drafted, so waiting for
+    # one kept 16 out for good; its exploration finds it cheaper and it wins.
+    profile = ForwardProfile([1], [8, 16, 32], np.array([[0.0222, 0.0223, 0.0296]]))
+    policy = MeasuredBudget(profile, max_budget=32, prior={8: 1.0, 16: 1.2, 32: 1.3})
+    true_s = {8: 0.0155, 16: 0.017, 32: 0.0216}
+    chosen = []
+    for _ in range(200):
+        budget = policy.budget(1)
+        chosen.append(budget)
+        drafted = policy.draft_budget(1, budget)
+        path = [n for n in (1, 9) if n < budget]  # 16 accepts what 32 does
+        policy.observe(1, budget, [path], None if drafted > budget else true_s[budget])
+        if drafted > budget:
+            policy.observe_hindsight(1, budget, [[n for n in (1, 9) if n < drafted]])
+    assert chosen[-100:].count(16) >= 80, chosen
+
+
+@pytest.mark.parametrize("off", [1.4, 0.7])
+def test_a_budget_settled_in_a_spell_is_brought_back_by_its_later_steps(off):
+    # 16 settled in a slow (fast) spell that the pace never saw: its estimate is off by 1.4x
+    # (0.7x). A dozen of its later steps, each at its true cost beside the pace setter's,
+    # bring it within 2 % and keep the pace where it was.
+    policy = settled_at_the_same_pace()
+    policy.observed_seconds[(1, 16)] *= off
+    for _ in range(12):
+        policy.observe(1, 16, [[]], 0.05)
+        for _ in range(4):
+            policy.observe(1, 8, [[]], 0.04)
+    assert policy.observed_seconds[(1, 16)] == pytest.approx(0.05, rel=0.02)
+    assert policy.pace == pytest.approx(1.0)
 
 
 def test_of_two_budgets_that_cost_the_same_the_one_that_gets_more_accepted_wins():
