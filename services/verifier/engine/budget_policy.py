@@ -309,12 +309,14 @@ class MeasuredBudget:
     first such score arrives (and always for other proposers) they are learned by exploration:
     every `explore_every`-th step runs at the next larger budget than the best, or every
     FAR_EXPLORE_FACTOR * `explore_every`-th step while that budget's estimated rate is more than
-    FAR_BEHIND below the best's. With hindsight, acceptance is known for every budget, and
-    what is left to learn is what the neighbouring budgets' steps really cost: the next smaller
-    budget is explored on that schedule (down to budget 1, the fallback, whose profiled time
-    may be off by as much as speculation gains at a large batch) and the next larger one half
-    as often. Near-ties (rates within `tie_tolerance`) go to the smaller budget: it costs less
-    drafting and cache room for nothing. The tolerance is small because a step decided by it
+    FAR_BEHIND below the best's and it has settled. With hindsight, acceptance is known for
+    every budget, and what is left to learn is what the neighbouring budgets' steps really
+    cost: the next smaller budget is explored on that schedule (down to budget 1, the fallback,
+    whose profiled time may be off by as much as speculation gains at a large batch) and the
+    next larger one half as often; so is the next smaller one while the best is the largest
+    budget, beyond which no tree is drafted and no score ever comes. Near-ties (rates within
+    `tie_tolerance`) go to the smaller budget: it costs less drafting and cache room for
+    nothing. The tolerance is small because a step decided by it
     may give up as much rate as the tolerance: at 0.03 a tree of 8 won over 16 whenever a row's
     recent estimates put 16 less than 3 % ahead, and on Qwen2.5-Coder-1.5B at b = 1, where 16
     is the best fixed budget by 4-5 %, the policy ran 8 on a third of its steps; by replay
