@@ -314,6 +314,21 @@ def measured_policy(profile_seconds):
     return choose
 
 
+def ratios_to_best_fixed(profile_seconds, true_seconds, seeds, **machine):
+    """Per seed, the measured policy's tokens per second after its first 32 steps over the best
+    fixed budget's, on the same simulated drafts and noise (`simulate`'s `machine` options)."""
+    ratios = []
+    for seed in range(seeds):
+        rates = {}
+        for budget in BUDGETS:
+            tokens, seconds = simulate(lambda length, at, s=budget: s, true_seconds, seed,
+                                       **machine)
+            rates[budget] = tokens[32:].sum() / seconds[32:].sum()
+        tokens, seconds = simulate(measured_policy(profile_seconds), true_seconds, seed, **machine)
+        ratios.append(tokens[32:].sum() / seconds[32:].sum() / max(rates.values()))
+    return ratios
+
+
 @pytest.mark.parametrize("machine,profile", [
     ("quiet", "quiet"), ("quiet", "busy"), ("busy", "quiet"), ("busy", "busy"),
     ("quiet", "uniformly busy"), ("busy", "uniformly busy")])
@@ -328,14 +343,7 @@ def test_a_profile_taken_under_load_does_not_hold_the_policy_back(machine, profi
     true_seconds = QUIET if machine == "quiet" else BUSY
     profile_seconds = {"quiet": QUIET, "busy": BUSY_PROFILE,
                        "uniformly busy": UNIFORM_BUSY_PROFILE}[profile]
-    ratios = []
-    for seed in range(6):
-        rates = {}
-        for budget in BUDGETS:
-            tokens, seconds = simulate(lambda length, at, s=budget: s, true_seconds, seed)
-            rates[budget] = tokens[32:].sum() / seconds[32:].sum()
-        tokens, seconds = simulate(measured_policy(profile_seconds), true_seconds, seed)
-        ratios.append(tokens[32:].sum() / seconds[32:].sum() / max(rates.values()))
+    ratios = ratios_to_best_fixed(profile_seconds, true_seconds, seeds=6)
     assert np.median(ratios) >= 0.95 and min(ratios) >= 0.9, ratios
 
 
@@ -344,16 +352,7 @@ def test_slow_spells_do_not_rank_budgets_by_when_they_were_timed(spell_steps):
     """On a machine that runs 1.4x slower in every other spell of some steps, a budget timed
     in a slow spell must not look dearer than one timed in a fast spell: the policy stays
     within a few percent of the best fixed budget (six seeds; median within 5 %)."""
-    ratios = []
-    for seed in range(6):
-        rates = {}
-        for budget in BUDGETS:
-            tokens, seconds = simulate(lambda length, at, s=budget: s, QUIET, seed,
-                                       spell=(1.4, spell_steps))
-            rates[budget] = tokens[32:].sum() / seconds[32:].sum()
-        tokens, seconds = simulate(measured_policy(QUIET), QUIET, seed,
-                                   spell=(1.4, spell_steps))
-        ratios.append(tokens[32:].sum() / seconds[32:].sum() / max(rates.values()))
+    ratios = ratios_to_best_fixed(QUIET, QUIET, seeds=6, spell=(1.4, spell_steps))
     assert np.median(ratios) >= 0.95 and min(ratios) >= 0.9, ratios
 
 
@@ -365,30 +364,20 @@ def test_bursts_of_slow_steps_do_not_keep_a_budget_out(spell_steps):
     600 steps; median within 5 %, none beyond 10 %). Before, one seed served at 0.85 of the
     best budget: three slow steps among budget 4's first four priced it at 3x, a clear loser,
     explored every few hundred steps."""
-    ratios = []
-    spell = {} if spell_steps is None else {"spell": (1.4, spell_steps)}
-    for seed in range(12):
-        rates = {}
-        for budget in BUDGETS:
-            tokens, seconds = simulate(lambda length, at, s=budget: s, QUIET, seed,
-                                       num_steps=600, burst=3, **spell)
-            rates[budget] = tokens[32:].sum() / seconds[32:].sum()
-        tokens, seconds = simulate(measured_policy(QUIET), QUIET, seed, num_steps=600, burst=3,
-                                   **spell)
-        ratios.append(tokens[32:].sum() / seconds[32:].sum() / max(rates.values()))
+    spell = None if spell_steps is None else (1.4, spell_steps)
+    ratios = ratios_to_best_fixed(QUIET, QUIET, seeds=12, num_steps=600, burst=3, spell=spell)
     assert np.median(ratios) >= 0.95 and min(ratios) >= 0.9, ratios
 
 
-def settled_at_the_same_pace(budgets=(8, 16), seconds=(0.04, 0.05)):
-    """A measured policy whose budgets have settled (RECENT_STEPS steps each), all at pace 1;
-    the first budget then sets the pace."""
-    profile = ForwardProfile([1], list(budgets), np.array([list(seconds)]))
-    policy = MeasuredBudget(profile, max_budget=max(budgets), prior=DEFAULT_ACCEPTANCE_PRIOR)
-    for s, t in zip(budgets, seconds):
+def settled_at_the_same_pace():
+    """A measured policy whose budgets 8 (0.04 s) and 16 (0.05 s) have settled (RECENT_STEPS
+    steps each), both at pace 1; 8 then sets the pace."""
+    true_s = {8: 0.04, 16: 0.05}
+    profile = ForwardProfile([1], list(true_s), np.array([list(true_s.values())]))
+    policy = MeasuredBudget(profile, max_budget=16, prior=DEFAULT_ACCEPTANCE_PRIOR)
+    for s in (8, 16, 8):
         for _ in range(RECENT_STEPS):
-            policy.observe(1, s, [[]], t)
-    for _ in range(RECENT_STEPS):
-        policy.observe(1, budgets[0], [[]], seconds[0])
+            policy.observe(1, s, [[]], true_s[s])
     return policy
 
 
