@@ -62,3 +62,12 @@ $E --set code --prompts 8 --max-tokens 128 --batch-sizes 1 --modes sssd \
   --policies fixed:8,measured --chunks 4 --profile var/profiles/qwen-coder-1.5b/busy-b4-as-quiet.json \
   --png $R/e2e-qwen-code-b1-busy-profile-again.png 2> $R/e2e-qwen-code-b1-busy-profile-again.err \
   > $R/e2e-qwen-code-b1-busy-profile-again.jsonl
+# 9. SmolLM2-135M-Instruct (the default model) at b = 1, end to end, its profile measured by the
+#    first run (var/profiles/smol-zen4.json).
+S="--datastore var/demo-datastore/sharegpt-12000-ba75b552aebd --profile var/profiles/smol-zen4.json"
+for set in code mt_bench; do
+  .venv/bin/python bench/e2e.py --set $set --prompts 16 --max-tokens 128 --batch-sizes 1 \
+    --modes ar,sssd --policies measured,rule,fixed:8,fixed:16 --chunks 4 --hf-prompts 0 \
+    --drafter inproc $S --png $R/e2e-smol-$set-b1.png 2> $R/e2e-smol-$set-b1.err \
+    > $R/e2e-smol-$set-b1.jsonl
+done
