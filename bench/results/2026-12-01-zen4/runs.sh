@@ -71,3 +71,6 @@ for set in code mt_bench; do
     --drafter inproc $S --png $R/e2e-smol-$set-b1.png 2> $R/e2e-smol-$set-b1.err \
     > $R/e2e-smol-$set-b1.jsonl
 done
+# 10. The products alone, as the memory's speed moved:
+.venv/bin/python bench/linear_panels.py --model qwen-coder-1.5b --rows 1,2,4,6,8,12,16 \
+  --out $R/linear-panels-qwen.jsonl
