@@ -5,6 +5,10 @@
 # at the start of this session on the quiet machine (quiet-b4.json, rows b = 1, 2, 4); the busy
 # profile was measured beside a NumPy product on both cores (busy-b4.json) and served with its
 # busy mark cleared (busy-b4-as-quiet.json), as if the start-up check had missed the load.
+# Both were measured by the engine's own profile_forward through build_engine (a scratch
+# script: EngineConfig(model="qwen-coder-1.5b", mode="prompt_lookup", budget_policy="measured",
+# max_batch_size=4, profile_path=...)); `bench/e2e.py $Q --batch-sizes 4 --profile NEW.json`
+# measures the same rows when NEW.json is missing.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 R=bench/results/2026-12-01-zen4
@@ -12,6 +16,7 @@ Q="--model qwen-coder-1.5b --datastore var/demo-datastore/sharegpt-12000-3f34145
 B1="--sets code,mt_bench --prompts 12 --batch-size 1"
 QUIET="1:102.4,2:102.4,4:104.6,8:105.6,16:146.6,32:301.9"   # quiet-b4.json, b = 1
 BUSY="1:414.5,2:414.5,4:414.5,8:414.5,16:521.4,32:1020"      # busy-b4.json, b = 1
+mkdir -p var/profiles/qwen-coder-1.5b
 cp $R/quiet-b4.json var/profiles/qwen-coder-1.5b/quiet-b4.json
 cp $R/busy-b4-as-quiet.json var/profiles/qwen-coder-1.5b/busy-b4-as-quiet.json
 # 1. Quiet profile, quiet machine; the real step times recorded for 5.
