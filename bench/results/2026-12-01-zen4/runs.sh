@@ -79,3 +79,9 @@ done
 # 10. The products alone, as the memory's speed moved:
 .venv/bin/python bench/linear_panels.py --model qwen-coder-1.5b --rows 1,2,4,6,8,12,16 \
   --out $R/linear-panels-qwen.jsonl
+# 11. b = 8, 16 prompts x 64 tokens (2 chunks of 8).
+for set in code mt_bench; do
+  $E --set $set --prompts 16 --max-tokens 64 --batch-sizes 8 --modes ar,sssd \
+    --policies measured,fixed:2 --chunks 2 --profile var/profiles/qwen-coder-1.5b/quiet-b8.json \
+    --png $R/e2e-qwen-$set-b8.png 2> $R/e2e-qwen-$set-b8.err > $R/e2e-qwen-$set-b8.jsonl
+done
