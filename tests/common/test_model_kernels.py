@@ -14,17 +14,21 @@ CODES = {torch.float32: 0, torch.bfloat16: 1}
 # the output to 8 bits of mantissa (|values| of attention outputs stay below about 2).
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
 # The attention's paths, each where the CPU can run it: AVX-512 with its bfloat16 scores on the
-# AMX tile unit, AVX-512 alone, AVX2 (forced on a CPU that has AVX-512 too), and the portable
-# loops. The argmax has two: its test picks them from these.
-PATHS = ["amx", "avx512", "avx2", "portable"]
-CAN_RUN = {"amx": _kernels.has_amx_bf16, "avx512": _kernels.has_avx512,
-           "avx2": _kernels.has_avx2_fma, "portable": lambda: True}
+# AMX tile unit, AVX-512 with them on AVX-512 BF16's dot products, AVX-512 alone, AVX2 (forced
+# on a CPU that has AVX-512 too), and the portable loops. The argmax has two: its test picks
+# them from these.
+PATHS = ["amx", "dpbf16", "avx512", "avx2", "portable"]
+CAN_RUN = {"amx": _kernels.has_amx_bf16,
+           "dpbf16": lambda: _kernels.has_avx512() and _kernels.has_avx512_bf16(),
+           "avx512": _kernels.has_avx512, "avx2": _kernels.has_avx2_fma,
+           "portable": lambda: True}
 
 
 def skip_unless_it_applies(path, dtype):
-    """The tile unit takes bfloat16 scores only: in float32 the amx path is the AVX-512 one."""
-    if path == "amx" and dtype != torch.bfloat16:
-        pytest.skip("the AMX scores are for bfloat16")
+    """The tile unit and the dot products take bfloat16 scores only: in float32 the amx and
+    dpbf16 paths are the AVX-512 one."""
+    if path in ("amx", "dpbf16") and dtype != torch.bfloat16:
+        pytest.skip(f"the {path} scores are for bfloat16")
 
 
 @pytest.fixture(params=PATHS)
@@ -34,10 +38,12 @@ def path(request):
     previous_portable = _kernels.set_portable(request.param == "portable")
     previous_avx2 = _kernels.set_attention_avx2(request.param == "avx2")
     previous_amx = _kernels.set_attention_amx(request.param == "amx")
+    previous_dpbf16 = _kernels.set_attention_dpbf16(request.param == "dpbf16")
     yield request.param
     _kernels.set_portable(previous_portable)
     _kernels.set_attention_avx2(previous_avx2)
     _kernels.set_attention_amx(previous_amx)
+    _kernels.set_attention_dpbf16(previous_dpbf16)
 
 
 def tree_bits(parents: list[int], padded_to: int) -> list[int]:

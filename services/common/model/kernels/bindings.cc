@@ -64,6 +64,10 @@ NB_MODULE(_kernels, m) {
   m.def("set_attention_amx", &k::set_attention_amx, "amx"_a,
         "Lets the AVX-512 tree attention take its bfloat16 scores on the AMX tile unit (True, "
         "the default where the CPU has one) or not; returns the previous setting.");
+  m.def("set_attention_dpbf16", &k::set_attention_dpbf16, "dpbf16"_a,
+        "Lets the AVX-512 tree attention take its bfloat16 scores with AVX-512 BF16's dot "
+        "products (True, the default where the CPU has them and no AMX) or not; returns the "
+        "previous setting.");
   m.def("num_threads", &k::num_threads, "OpenMP threads of the parallel loops.");
   m.def("has_avx512_bf16", &k::has_avx512_bf16);
   m.def("packed_bf16_panels", &k::packed_bf16_panels, "out_features"_a);

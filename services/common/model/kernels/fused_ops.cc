@@ -43,6 +43,7 @@ bool worth_threads(int64_t rows, int64_t width) {
 std::atomic<bool> portable{false};
 std::atomic<bool> attention_avx2{false};  // set_attention_avx2
 std::atomic<bool> attention_amx{true};     // set_attention_amx
+std::atomic<bool> attention_dpbf16{true};  // set_attention_dpbf16
 
 // The AVX-512 attention (trees and prompts) takes its scores on the AMX tile unit.
 bool amx_scores(Dtype dtype) {
@@ -207,6 +208,8 @@ bool set_portable(bool value) { return portable.exchange(value); }
 bool set_attention_avx2(bool value) { return attention_avx2.exchange(value); }
 
 bool set_attention_amx(bool value) { return attention_amx.exchange(value); }
+
+bool set_attention_dpbf16(bool value) { return attention_dpbf16.exchange(value); }
 
 int32_t num_threads() { return omp_get_max_threads(); }
 
@@ -396,6 +399,8 @@ void attention(const void* q, const void* key_cache, const void* value_cache,
                            capacity, scale, dtype};
   const bool vector = !portable.load() && !attention_avx2.load() && has_avx512();
   problem.amx = vector && amx_scores(dtype);
+  problem.dpbf16 = vector && !problem.amx && attention_dpbf16.load() &&
+                   dtype == Dtype::kBFloat16 && has_avx512_bf16();
   const bool avx2 = !portable.load() && !vector && has_avx2_fma();
   const int64_t items = num_seqs * kv_heads;
 #pragma omp parallel for schedule(dynamic, 1) if (items > 1)

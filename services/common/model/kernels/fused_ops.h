@@ -37,6 +37,11 @@ bool set_attention_avx2(bool avx2);
 // previous setting.
 bool set_attention_amx(bool amx);
 
+// Lets the AVX-512 tree attention take its bfloat16 scores with AVX-512 BF16's dot products
+// where the CPU has them and the tile unit does not take them (True, the default) or not;
+// returns the previous setting.
+bool set_attention_dpbf16(bool dpbf16);
+
 // OpenMP threads the parallel loops use (PyTorch's setting when the runtime is shared).
 int32_t num_threads();
 

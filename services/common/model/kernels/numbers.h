@@ -88,6 +88,8 @@ struct AttentionProblem {
   Dtype dtype;
   // Scores on the AMX tile unit (bfloat16 on CPUs that have it; attention_avx512.cc).
   bool amx = false;
+  // Scores with AVX-512 BF16's dot products (bfloat16 on CPUs that have them and no AMX).
+  bool dpbf16 = false;
 
   int64_t group() const { return heads / kv_heads; }
   // Offset (in elements) of cache row (s, key head g) in either cache.
