@@ -31,7 +31,7 @@
 // vector loop reloads every query and key element per score and folds sixteen partial sums;
 // here a key's pair is read once per sixteen queries and a query's once per sixteen keys. On a
 // 2-core Zen 4, Qwen2.5-Coder-1.5B's heads over 800 cached keys (bench/tree_attention.py), one
-// layer of a tree of 8 nodes: 148 us, against 383 with the vector loop; one node 29.5 and 53.1.
+// layer of a tree of 8 nodes: 148 us, against 374 with the vector loop; one node 28.9 and 51.8.
 //
 // Compiled with -mavx512f, -mavx512bf16 and the AMX flags (CMakeLists.txt); called only when the
 // CPU has AVX-512 (has_avx512), its dot products only when has_avx512_bf16(), its tile
