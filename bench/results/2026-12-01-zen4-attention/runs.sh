@@ -34,3 +34,23 @@ for set in code mt_bench; do
     --drafter inproc $S --png $R/e2e-smol-$set-b1.png 2> $R/e2e-smol-$set-b1.err \
     > $R/e2e-smol-$set-b1.jsonl
 done
+# 5. Beside the peers at b = 1: our prompt lookup; transformers' generate, its prompt lookup and
+#    its assisted generation with Qwen2.5-Coder-0.5B on the first 4 prompts (each over its own
+#    generate); one prompt a turn.
+for set in code mt_bench; do
+  $E --set $set --prompts 8 --max-tokens 128 --batch-sizes 1 --modes ar,prompt_lookup,sssd \
+    --policies measured,fixed:8 --chunks 8 --hf-prompts 4 --hf-assistant qwen-coder-0.5b \
+    --profile $P --png $R/e2e-qwen-$set-b1-peers.png 2> $R/e2e-qwen-$set-b1-peers.err \
+    > $R/e2e-qwen-$set-b1-peers.jsonl
+done
+# 6. Our ordinary speculative decoding and SSD with the 0.5B draft (the verifier and the
+#    speculator a core each for sd and ssd_geometric), each over the AR run just before it.
+.venv/bin/python bench/ssd.py --dtype bfloat16 --sets code,mt_bench --prompts 4 --max-tokens 48 \
+  --configs ar,sd,ar,ssd_geometric,ar,sssd,ar \
+  --datastore var/demo-datastore/sharegpt-12000-3f34145de91b --png $R/ssd-qwen-bf16-b1.png \
+  > $R/ssd-qwen-bf16-b1.jsonl 2> $R/ssd-qwen-bf16-b1.err
+# 7. SSSD in that program at budget 8 (its default, 16, costs 2.2-2.5x a plain step on this CPU).
+.venv/bin/python bench/ssd.py --dtype bfloat16 --sets code,mt_bench --prompts 4 --max-tokens 48 \
+  --configs ar,sssd,ar --sssd-budget 8 \
+  --datastore var/demo-datastore/sharegpt-12000-3f34145de91b --png $R/ssd-qwen-bf16-b1-sssd8.png \
+  > $R/ssd-qwen-bf16-b1-sssd8.jsonl 2> $R/ssd-qwen-bf16-b1-sssd8.err
