@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=16, help="MT-Bench first turns")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--png", type=Path, default=Path("bench/cold_start.png"))
+    parser.add_argument("--png", type=Path, default=Path("var/bench/cold_start.png"))
     args = parser.parse_args(argv)
     configure_logging(logging.INFO)
     steps = [int(s) for s in args.steps.split(",")]

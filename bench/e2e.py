@@ -44,7 +44,7 @@ and a third with `--hf-assistant` (its assisted generation with that draft model
 speculative decoding); all but the first carry `speedup_over_hf_generate`.
 A PNG of speedup vs batch size goes to `--png`.
 
-    python bench/e2e.py --datastore var/self-outputs/datastore-3000 --png bench/e2e.png
+    python bench/e2e.py --datastore var/self-outputs/datastore-3000 --png var/bench/e2e.png
 """
 
 from __future__ import annotations
@@ -266,6 +266,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
 
 
@@ -316,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
                         "where a chunk would hold fewer prompts than the batch size)")
     parser.add_argument("--drafter", default="grpc", choices=("grpc", "inproc"),
                         help="drafter as a gRPC service on 127.0.0.1 (default) or in process")
-    parser.add_argument("--png", type=Path, default=Path("bench/e2e.png"))
+    parser.add_argument("--png", type=Path, default=Path("var/bench/e2e.png"))
     args = parser.parse_args(argv)
     configure_logging(logging.INFO)
 

@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drafter-port", type=int, default=50151)
     parser.add_argument("--metrics-port", type=int, default=8180)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--png", type=Path, default=Path("bench/serving.png"))
+    parser.add_argument("--png", type=Path, default=Path("var/bench/serving.png"))
     args = parser.parse_args(argv)
     configure_logging(logging.INFO)
 

@@ -155,7 +155,7 @@ def main() -> None:
                         "for the target's tokenizer)")
     parser.add_argument("--sssd-budget", type=int, default=16,
                         help="draft-tree nodes of the sssd configuration (16)")
-    parser.add_argument("--png", default="bench/results/ssd.png")
+    parser.add_argument("--png", type=Path, default=Path("var/bench/ssd.png"))
     args = parser.parse_args()
     configure_logging(logging.INFO)
 
@@ -251,7 +251,7 @@ def main() -> None:
         plot(rows, args.png)
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -273,6 +273,7 @@ def plot(rows: list[dict], path: str) -> None:
     else:
         axes[1].axis("off")
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
 
 
