@@ -347,7 +347,7 @@ void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
   const int64_t length = cached + num_nodes;  // keys: the cache, then the step's nodes
   const int64_t stride = (length + 15) / 16 * 16;
   const bool amx = sizeof(T) == sizeof(uint16_t) && problem.amx;
-  const bool dpbf16 = sizeof(T) == sizeof(uint16_t) && problem.dpbf16 && !amx;
+  const bool dpbf16 = sizeof(T) == sizeof(uint16_t) && problem.dpbf16;  // never with amx
   const bool vector_scores = !amx && !dpbf16;
   scratch.queries.resize(count * HD);
   scratch.scores.resize((amx ? (count + 15) / 16 * 16 : count) * stride);
@@ -615,8 +615,6 @@ void attend_prompt(const AttentionProblem& problem) {
   // thread's buffers, shared with the team by these pointers (a thread_local named inside the
   // parallel region would be each thread's own).
   const bool amx = sizeof(T) == sizeof(uint16_t) && problem.amx;
-  const bool dpbf16 = sizeof(T) == sizeof(uint16_t) && problem.dpbf16 && !amx;
-  const bool vector_scores = !amx && !dpbf16;
   thread_local std::vector<float> transposed;
   thread_local std::vector<uint32_t> packed;
   if (amx) {
