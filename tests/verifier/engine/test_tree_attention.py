@@ -118,6 +118,46 @@ def test_commit_keeps_the_root_and_the_accepted_path_in_order(seed):
                                    rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(4))
+def test_commit_in_one_kernel_call_equals_the_indexed_copies(seed, dtype):
+    """On the CPU `commit` moves every layer's positions in one sssd._kernels call; it must
+    leave every buffer as the indexed copies do (which gather all sources first), here over
+    three layers and four slots, with paths that skip nodes so that moves chain."""
+    rng = np.random.default_rng(300 + seed)
+    caches = [SlotKVCache(num_layers=3, max_seqs=4, num_kv_heads=HEADS, max_len=MAX_LEN,
+                          head_dim=HEAD_DIM, dtype=dtype) for _ in range(2)]
+    assert caches[0]._moves_in_one_call
+    caches[1]._moves_in_one_call = False  # the indexed copies
+    generator = torch.Generator().manual_seed(seed)
+    for buffer_index in range(6):
+        filled = torch.randn(caches[0].keys[0].shape, generator=generator).to(dtype)
+        for cache in caches:
+            (*cache.keys, *cache.values)[buffer_index].copy_(filled)
+    lengths = [int(rng.integers(0, 30)) for _ in range(4)]
+    paths = []
+    for length in lengths:
+        nodes = sorted(rng.choice(np.arange(1, 20), size=int(rng.integers(0, 8)),
+                                  replace=False).tolist())
+        paths.append(nodes)  # increasing node indices, as along a tree's path
+    for cache in caches:
+        for slot, length in enumerate(lengths):
+            cache.set_length(slot, length)
+        cache.commit(range(4), paths)
+    assert caches[0].lengths == caches[1].lengths
+    assert any(node != depth for path in paths for depth, node in enumerate(path, start=1))
+    for ours, theirs in zip((*caches[0].keys, *caches[0].values),
+                            (*caches[1].keys, *caches[1].values)):
+        assert torch.equal(ours, theirs)
+
+
+def test_move_positions_refuses_mismatched_moves():
+    from sssd import _kernels
+
+    with pytest.raises(ValueError, match="one entry per move"):
+        _kernels.move_positions([], 1, 8, 16, [0, 0], [3], [1, 2])
+
+
 def test_move_copies_a_slot_and_frees_the_source():
     cache, cache_lens, prefixes, _ = make_step(7, 3)
     cache.move(2, 0)

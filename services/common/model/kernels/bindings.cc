@@ -5,6 +5,7 @@
 // alive across the call. Every call releases the GIL.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <atomic>
 #include <cstdint>
@@ -100,6 +101,16 @@ NB_MODULE(_kernels, m) {
     k::argmax_rows(ptr(x), rows, cols, dtype_of(dtype), static_cast<int64_t*>(ptr(out)));
   }, nb::call_guard<nb::gil_scoped_release>(),
         "out[r] (int64) = the first index of row r's maximum, as torch.argmax.");
+  m.def("move_positions", [](const std::vector<uintptr_t>& buffers, int64_t num_heads,
+                             int64_t capacity, int64_t position_bytes,
+                             const std::vector<int64_t>& rows, const std::vector<int64_t>& sources,
+                             const std::vector<int64_t>& targets) {
+    if (sources.size() != rows.size() || targets.size() != rows.size()) {
+      throw nb::value_error("rows, sources and targets must have one entry per move");
+    }
+    k::move_positions(buffers, num_heads, capacity, position_bytes, rows, sources, targets);
+  }, nb::call_guard<nb::gil_scoped_release>(),
+        "The KV cache's commit: moves positions of every buffer, sources read first.");
   m.def("has_amx_bf16", &k::has_amx_bf16);
   m.def("linear_bf16_amx", [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out,
                               int64_t rows, int64_t in_features, int64_t out_features) {

@@ -379,6 +379,32 @@ void argmax_rows(const void* x, int64_t rows, int64_t cols, Dtype dtype, int64_t
   }
 }
 
+void move_positions(const std::vector<uintptr_t>& buffers, int64_t num_heads, int64_t capacity,
+                    int64_t position_bytes, const std::vector<int64_t>& rows,
+                    const std::vector<int64_t>& sources, const std::vector<int64_t>& targets) {
+  const size_t num_moves = rows.size();
+  const size_t bytes = static_cast<size_t>(position_bytes);
+  std::vector<char> gathered(num_moves * num_heads * bytes);
+  auto at = [&](char* base, int64_t row, int64_t head, int64_t position) {
+    return base + ((row * num_heads + head) * capacity + position) * position_bytes;
+  };
+  for (const uintptr_t buffer : buffers) {
+    char* base = reinterpret_cast<char*>(buffer);
+    char* slot = gathered.data();
+    for (size_t i = 0; i < num_moves; ++i) {
+      for (int64_t head = 0; head < num_heads; ++head, slot += bytes) {
+        std::memcpy(slot, at(base, rows[i], head, sources[i]), bytes);
+      }
+    }
+    slot = gathered.data();
+    for (size_t i = 0; i < num_moves; ++i) {
+      for (int64_t head = 0; head < num_heads; ++head, slot += bytes) {
+        std::memcpy(at(base, rows[i], head, targets[i]), slot, bytes);
+      }
+    }
+  }
+}
+
 void attention(const void* q, const void* key_cache, const void* value_cache,
                const int64_t* cache_lens, const uint64_t* tree_bits, void* out,
                int64_t first_slot, int64_t num_seqs, int64_t num_nodes, int64_t heads,

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace sssd::kernels {
 
@@ -105,6 +106,14 @@ bool prompt_attention(const void* q, const void* key_cache, const void* value_ca
 // node; torch's argmax over bfloat16 logits scans a row without vectorizing (1.1 ms for 8 rows of
 // SmolLM2's 49152 logits on the AMX Xeon, 16 ms for 128 rows, against a 23 ms decode step).
 void argmax_rows(const void* x, int64_t rows, int64_t cols, Dtype dtype, int64_t* out);
+
+// The KV cache's commit in one call: in each of `buffers` (every layer's keys and values, each
+// [max_seqs][num_heads][capacity] positions of position_bytes), moves position sources[i] of
+// slot rows[i] to targets[i], every head. All sources are read before any target is written,
+// as an indexed copy gathers its right-hand side first, so moves may overlap.
+void move_positions(const std::vector<uintptr_t>& buffers, int64_t num_heads, int64_t capacity,
+                    int64_t position_bytes, const std::vector<int64_t>& rows,
+                    const std::vector<int64_t>& sources, const std::vector<int64_t>& targets);
 
 // True when this CPU has AVX-512 with its bfloat16 instructions (linear_bf16's AVX-512 build
 // runs there only; elsewhere the bindings call linear_bf16_avx2).
