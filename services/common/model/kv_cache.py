@@ -118,7 +118,8 @@ class SlotKVCache:
         if self._moves_in_one_call:
             # One call for every layer's keys and values: 2 x num_layers indexed copies cost
             # a quarter of a millisecond a step (SmolLM2-135M, a tree of 16 nodes).
-            _kernels.move_positions(self._buffer_pointers, self.keys[0].shape[1], self.capacity,
+            _kernels.move_positions(self._buffer_pointers, self.max_seqs, self.keys[0].shape[1],
+                                    self.capacity,
                                     self.keys[0].shape[3] * self.keys[0].element_size(), rows,
                                     sources, targets)
             return

@@ -151,11 +151,25 @@ def test_commit_in_one_kernel_call_equals_the_indexed_copies(seed, dtype):
         assert torch.equal(ours, theirs)
 
 
-def test_move_positions_refuses_mismatched_moves():
+def test_move_positions_refuses_mismatched_or_outside_moves():
     from sssd import _kernels
 
     with pytest.raises(ValueError, match="one entry per move"):
-        _kernels.move_positions([], 1, 8, 16, [0, 0], [3], [1, 2])
+        _kernels.move_positions([], 2, 1, 8, 16, [0, 0], [3], [1, 2])
+    cache = SlotKVCache(num_layers=1, max_seqs=2, num_kv_heads=HEADS, max_len=MAX_LEN,
+                        head_dim=HEAD_DIM, dtype=torch.float64)
+    before = [buffer.clone() for buffer in (*cache.keys, *cache.values)]
+    for rows, sources, targets in (([2], [5], [1]), ([0], [cache.capacity], [1]),
+                                   ([0], [5], [-1])):
+        with pytest.raises(IndexError, match="outside the cache"):
+            _kernels.move_positions(cache._buffer_pointers, cache.max_seqs, HEADS,
+                                    cache.capacity, HEAD_DIM * 8, rows, sources, targets)
+    # a tree node past the cache's end, as commit would hand it over
+    cache.set_length(0, cache.capacity - 2)
+    with pytest.raises(IndexError, match="outside the cache"):
+        cache.commit([0], [[5]])
+    for buffer, kept in zip((*cache.keys, *cache.values), before):
+        assert torch.equal(buffer, kept)
 
 
 def test_move_copies_a_slot_and_frees_the_source():

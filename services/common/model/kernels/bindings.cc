@@ -101,12 +101,21 @@ NB_MODULE(_kernels, m) {
     k::argmax_rows(ptr(x), rows, cols, dtype_of(dtype), static_cast<int64_t*>(ptr(out)));
   }, nb::call_guard<nb::gil_scoped_release>(),
         "out[r] (int64) = the first index of row r's maximum, as torch.argmax.");
-  m.def("move_positions", [](const std::vector<uintptr_t>& buffers, int64_t num_heads,
-                             int64_t capacity, int64_t position_bytes,
+  m.def("move_positions", [](const std::vector<uintptr_t>& buffers, int64_t max_seqs,
+                             int64_t num_heads, int64_t capacity, int64_t position_bytes,
                              const std::vector<int64_t>& rows, const std::vector<int64_t>& sources,
                              const std::vector<int64_t>& targets) {
     if (sources.size() != rows.size() || targets.size() != rows.size()) {
       throw nb::value_error("rows, sources and targets must have one entry per move");
+    }
+    for (size_t i = 0; i < rows.size(); ++i) {
+      if (rows[i] < 0 || rows[i] >= max_seqs || sources[i] < 0 || sources[i] >= capacity ||
+          targets[i] < 0 || targets[i] >= capacity) {
+        throw nb::index_error(("move " + std::to_string(i) + " (slot " +
+                               std::to_string(rows[i]) + ", " + std::to_string(sources[i]) +
+                               " -> " + std::to_string(targets[i]) +
+                               ") lies outside the cache").c_str());
+      }
     }
     k::move_positions(buffers, num_heads, capacity, position_bytes, rows, sources, targets);
   }, nb::call_guard<nb::gil_scoped_release>(),
