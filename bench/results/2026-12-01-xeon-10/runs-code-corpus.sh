@@ -1,5 +1,5 @@
 # Python sources as a code corpus beside ShareGPT (the packages of the project's own .venv,
-# 17,488 *.py files under 1 MiB, 60.7 M tokens in Qwen's tokenizer), scored by replay against
+# its *.py files under 1 MiB: 16,936 documents, 60.7 M tokens in Qwen's tokenizer), scored by replay against
 # ShareGPT alone. Then the same two shards with ShareGPT weighted 3x and 10x: shard weights
 # apply to shards of the served model's own text, so a copy marks ShareGPT's shard as such.
 set -uo pipefail

@@ -1,7 +1,7 @@
 # Qwen2.5-Coder-1.5B-Instruct (bfloat16, the ShareGPT datastore of 12,000 records built with its
 # tokenizer) on a 2-core Intel Xeon with AMX, the code as of the Zen 4 attention work (on this CPU
 # the tree attention takes its scores on the AMX tile unit). Every configuration of a run takes
-# its turn chunk by chunk. The forward profile is measured by the first run.
+# its turn chunk by chunk.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 R=bench/results/2026-12-01-xeon-10
@@ -17,7 +17,8 @@ E=".venv/bin/python bench/e2e.py $Q --drafter inproc --hf-prompts 0 --profile $P
   --prompts 24 --budgets 8,16,32,64,256 --datastore var/demo-datastore/sharegpt-12000-3f34145de91b \
   --config default: --config samples400:max_continuations=400,min_continuations=200 \
   > $R/draft-quality-ceiling.jsonl 2> $R/draft-quality-ceiling.err
-# 3. b = 1, 8 prompts x 128 tokens (the first measures the profile, b = 1, 2, 4).
+# 3. b = 1, 8 prompts x 128 tokens (the first measures the profile at b = 1; the first b = 4
+#    run below measures it again for b = 1, 2 and 4).
 for set in code mt_bench; do
   $E --set $set --prompts 8 --max-tokens 128 --batch-sizes 1 --modes ar,sssd \
     --policies measured,fixed:8,fixed:16 --chunks 4 \

@@ -53,10 +53,14 @@ class SlotKVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_seqs = max_seqs
         self.max_len = max_len
-        # On the CPU `commit` moves positions with sssd._kernels.move_positions (the buffers
-        # are contiguous and never reallocated; `load` and `move` copy into them in place).
-        self._moves_in_one_call = self.keys[0].device.type == "cpu"
-        self._buffer_pointers = [buffer.data_ptr() for buffer in (*self.keys, *self.values)]
+        # On the CPU `commit` moves positions with sssd._kernels.move_positions, given once what
+        # it needs of the buffers (contiguous and never reallocated: `load` and `move` copy into
+        # them in place): their addresses, slots, heads, positions and a position's bytes.
+        # None elsewhere: indexed copies.
+        self._move_layout = ([buffer.data_ptr() for buffer in (*self.keys, *self.values)],
+                             max_seqs, num_kv_heads, self.capacity,
+                             head_dim * self.keys[0].element_size()) \
+            if self.keys[0].device.type == "cpu" else None
         self.lengths = [0] * max_seqs  # [max_seqs] committed tokens per slot
         # Set by `begin_step` for the forward pass in flight.
         self._rows: slice | None = None
@@ -104,7 +108,7 @@ class SlotKVCache:
         `accepted_nodes[i]` are node indices of slot `slots[i]`'s tree along the accepted path,
         root excluded. The root stays where it was written (node 0 at the old length).
         """
-        rows, sources, targets = [], [], []
+        rows, sources, targets, lengths = [], [], [], []
         for slot, nodes in zip(slots, accepted_nodes):
             base = self.lengths[slot]
             for depth, node in enumerate(nodes, start=1):
@@ -112,23 +116,22 @@ class SlotKVCache:
                     rows.append(slot)
                     sources.append(base + node)
                     targets.append(base + depth)
-            self.lengths[slot] = base + 1 + len(nodes)
-        if not rows:
-            return
-        if self._moves_in_one_call:
+            lengths.append((slot, base + 1 + len(nodes)))
+        if rows and self._move_layout is not None:
             # One call for every layer's keys and values: 2 x num_layers indexed copies cost
             # a quarter of a millisecond a step (SmolLM2-135M, a tree of 16 nodes).
-            _kernels.move_positions(self._buffer_pointers, self.max_seqs, self.keys[0].shape[1],
-                                    self.capacity,
-                                    self.keys[0].shape[3] * self.keys[0].element_size(), rows,
-                                    sources, targets)
-            return
-        # [3, num_moves]: to the cache's device in one copy
-        indices = torch.tensor((rows, sources, targets)).to(self.keys[0].device, non_blocking=True)
-        row_index, source_index, target_index = indices
-        for buffer in (*self.keys, *self.values):
-            # The right-hand side is gathered into a new tensor first, so overlaps are safe.
-            buffer[row_index, :, target_index] = buffer[row_index, :, source_index]
+            _kernels.move_positions(*self._move_layout, rows, sources, targets)
+        elif rows:
+            # [3, num_moves]: to the cache's device in one copy
+            indices = torch.tensor((rows, sources, targets)).to(self.keys[0].device,
+                                                                non_blocking=True)
+            row_index, source_index, target_index = indices
+            for buffer in (*self.keys, *self.values):
+                # The right-hand side is gathered into a new tensor first, so overlaps are safe.
+                buffer[row_index, :, target_index] = buffer[row_index, :, source_index]
+        # Only once every move is made: a refused one leaves the slots' lengths as they were.
+        for slot, length in lengths:
+            self.lengths[slot] = length
 
     def set_length(self, slot: int, length: int) -> None:
         self.lengths[slot] = length

@@ -127,8 +127,8 @@ def test_commit_in_one_kernel_call_equals_the_indexed_copies(seed, dtype):
     rng = np.random.default_rng(300 + seed)
     caches = [SlotKVCache(num_layers=3, max_seqs=4, num_kv_heads=HEADS, max_len=MAX_LEN,
                           head_dim=HEAD_DIM, dtype=dtype) for _ in range(2)]
-    assert caches[0]._moves_in_one_call
-    caches[1]._moves_in_one_call = False  # the indexed copies
+    assert caches[0]._move_layout is not None
+    caches[1]._move_layout = None  # the indexed copies
     generator = torch.Generator().manual_seed(seed)
     for buffer_index in range(6):
         filled = torch.randn(caches[0].keys[0].shape, generator=generator).to(dtype)
@@ -162,12 +162,12 @@ def test_move_positions_refuses_mismatched_or_outside_moves():
     for rows, sources, targets in (([2], [5], [1]), ([0], [cache.capacity], [1]),
                                    ([0], [5], [-1])):
         with pytest.raises(IndexError, match="outside the cache"):
-            _kernels.move_positions(cache._buffer_pointers, cache.max_seqs, HEADS,
-                                    cache.capacity, HEAD_DIM * 8, rows, sources, targets)
+            _kernels.move_positions(*cache._move_layout, rows, sources, targets)
     # a tree node past the cache's end, as commit would hand it over
     cache.set_length(0, cache.capacity - 2)
     with pytest.raises(IndexError, match="outside the cache"):
         cache.commit([0], [[5]])
+    assert cache.lengths[0] == cache.capacity - 2  # the refused commit kept the length
     for buffer, kept in zip((*cache.keys, *cache.values), before):
         assert torch.equal(buffer, kept)
 
