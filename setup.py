@@ -39,8 +39,10 @@ class CMakeBuild(build_ext):
 
 
 setup(
-    packages=["sssd", *(f"sssd.{name}" for name in find_packages("services"))],
-    package_dir={"sssd": "services"},
+    # bench/ is the package `bench` of the development install: the benchmarks import each other
+    # and their shared flags (bench.flags) as `bench.<name>`, wherever they are run from.
+    packages=["sssd", *(f"sssd.{name}" for name in find_packages("services")), "bench"],
+    package_dir={"sssd": "services", "bench": "bench"},
     package_data={"sssd.v1": ["*.pyi"], "sssd.common.data": ["*.jsonl"]},
     ext_modules=[Extension("sssd._core", sources=[]), Extension("sssd._kernels", sources=[])],
     cmdclass={"build_ext": CMakeBuild},

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from bench import flags
 from sssd.common.data.corpus import first_turns, prompt_token_ids, read_mt_bench
 from sssd.common.model.loader import load_causal_lm
 from sssd.verifier.engine.config import EngineConfig
@@ -25,9 +26,9 @@ from sssd.verifier.factory import build_engine
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--prompts", type=int, default=20)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    flags.add_prompts(parser, 20)
+    flags.add_max_tokens(parser, 128)
+    flags.add_dtype(parser)
     args = parser.parse_args()
     loaded = load_causal_lm(None, args.dtype)
     prompts = [prompt_token_ids(loaded.tokenizer, text)

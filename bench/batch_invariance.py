@@ -21,14 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prompt_sets import prompt_texts  # noqa: E402
+from bench import flags
+from bench.prompt_sets import prompt_texts
 
 SETUPS = {"sdpa_unaligned": ("sdpa", 1), "sdpa": ("sdpa", 128), "eager": ("eager", 128)}
 TIMINGS = ((1, 1), (1, 8), (1, 32), (4, 1), (4, 8))
@@ -67,10 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     from sssd.common.model.loader import load_causal_lm
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--set", default="mt_bench", choices=("mt_bench", "code"))
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--datastore", required=True)
+    flags.add_set(parser, choices=("mt_bench", "code"))
+    flags.add_prompts(parser, 16)
+    flags.add_max_tokens(parser, 64)
+    flags.add_datastore(parser, "the drafter's datastore", required=True, type=str)
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
 

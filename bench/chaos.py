@@ -43,19 +43,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from bench import flags
+from bench.stats import percentile
 from sssd.common.config.logs import configure_logging
 
 logger = logging.getLogger("chaos")
 
 KINDS = ("drafter", "decode", "prefill", "indexer", "redis", "speculator")
 STREAM = "sssd:conversations"
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
 
 
 class Stack:
@@ -135,8 +130,7 @@ class Stack:
         import ray
 
         if kind in ("decode", "prefill"):
-            slots = self.frontend.backend._decode if kind == "decode" \
-                else self.frontend.backend._prefill
+            slots = self.frontend.backend.workers(kind)
             slot = rng.choice(slots)
             old = ray.get(slot.actor.ready.remote(), timeout=60)["pid"]
             os.kill(old, signal.SIGKILL)
@@ -205,13 +199,11 @@ def one_request(client, prompt_index: int, prompt: list[int], max_tokens: int,
 
 
 def run(args) -> list[dict]:
+    from bench.prompt_sets import prompt_texts
     from sssd.client import GenerationClient, RetryPolicy
     from sssd.common.data.corpus import prompt_token_ids
     from sssd.common.model.tokenizer import load_tokenizer
     from sssd.datastore.build import read_documents
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from prompt_sets import prompt_texts
 
     tokenizer = load_tokenizer(None)
     prompts = [prompt_token_ids(tokenizer, text)
@@ -316,9 +308,9 @@ def report(records, faults, reference, prompts, documents, published, indexed_al
                "at_s": round(fault["at"] - start, 1), "recover_s": fault.get("recover_s"),
                "error": fault.get("error"), "window_s": args.window_s, "sent": len(inside),
                "completed": len(ok), "failed": len(inside) - len(ok),
-               "latency_s_p50": percentile(ok, 0.5), "latency_s_p99": percentile(ok, 0.99),
-               "baseline_latency_s_p50": percentile(baseline, 0.5),
-               "baseline_latency_s_p99": percentile(baseline, 0.99)}
+               "latency_s_p50": percentile(ok, 50), "latency_s_p99": percentile(ok, 99),
+               "baseline_latency_s_p50": percentile(baseline, 50),
+               "baseline_latency_s_p99": percentile(baseline, 99)}
         counts = per_kind.setdefault(fault["kind"], Counter())
         counts.update(sent=row["sent"], completed=row["completed"], failed=row["failed"])
         rows.append(row)
@@ -340,8 +332,8 @@ def report(records, faults, reference, prompts, documents, published, indexed_al
         "errors": sorted(Counter(r["error"][:120] for r in failed).items())[:10],
         "per_fault_kind": {k: dict(v) for k, v in per_kind.items()},
         "greedy_different_from_reference": len(different),
-        "latency_s_p50": percentile([latency(r) for r in completed], 0.5),
-        "latency_s_p99": percentile([latency(r) for r in completed], 0.99),
+        "latency_s_p50": percentile([latency(r) for r in completed], 50),
+        "latency_s_p99": percentile([latency(r) for r in completed], 99),
         "conversations_completed": sum(expected.values()),
         "conversations_published": published,
         "conversations_indexed": sum(found.values()),
@@ -391,25 +383,24 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration-s", type=float, default=600.0)
     parser.add_argument("--rate", type=float, default=0.2, help="requests per second")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    flags.add_max_tokens(parser, 32)
     parser.add_argument("--prompt-set", default="mt_bench")
-    parser.add_argument("--prompts", type=int, default=16)
+    flags.add_prompts(parser, 16)
     parser.add_argument("--faults", type=int, default=0,
                         help="faults in the run (default: one per kind)")
     parser.add_argument("--warmup-s", type=float, default=30.0)
     parser.add_argument("--window-s", type=float, default=45.0,
                         help="after a fault: requests sent in it are that fault's")
     parser.add_argument("--no-speculator", dest="speculator", action="store_false")
-    parser.add_argument("--datastore", type=Path, default=None,
-                        help="the datastore the live one starts from (default: as sssd up)")
+    flags.add_datastore(parser, "the datastore the live one starts from (default: as sssd up)")
     parser.add_argument("--records", type=int, default=2000,
                         help="ShareGPT records of the default datastore")
     parser.add_argument("--build-tokens", type=int, default=2048)
     parser.add_argument("--build-interval-s", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=15)
     parser.add_argument("--work-dir", type=Path, default=Path("var/bench-chaos"))
-    parser.add_argument("--out", type=Path, default=None, help="also append the JSON lines here")
-    parser.add_argument("--png", type=Path, default=None)
+    flags.add_out(parser, None)
+    flags.add_png(parser, None)
     args = parser.parse_args(argv)
     if args.rate <= 0 or args.duration_s <= args.warmup_s + args.window_s:
         parser.error("need --rate > 0 and --duration-s > --warmup-s + --window-s")

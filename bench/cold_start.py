@@ -29,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench import flags
 from sssd.common.config.logs import configure_logging
 
 logger = logging.getLogger("cold_start")
@@ -91,10 +92,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--outputs", type=Path, default=Path("var/self-outputs/outputs.jsonl"))
     parser.add_argument("--steps", default="0,100,300,1000,1831",
                         help="conversations indexed at each measurement, increasing")
-    parser.add_argument("--prompts", type=int, default=16, help="MT-Bench first turns")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--png", type=Path, default=Path("var/bench/cold_start.png"))
+    flags.add_prompts(parser, 16)
+    flags.add_max_tokens(parser, 64)
+    flags.add_dtype(parser)
+    flags.add_png(parser, "cold_start")
     args = parser.parse_args(argv)
     configure_logging(logging.INFO)
     steps = [int(s) for s in args.steps.split(",")]

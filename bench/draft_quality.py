@@ -32,23 +32,24 @@ Prints one JSON object per (set, datastore, config, budget):
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prompt_sets import prompt_texts  # noqa: E402
-
+from bench import flags
+from bench.prompt_sets import prompt_texts
 from sssd.common.config.logs import configure_logging
 
 logger = logging.getLogger("draft_quality")
 
 REFERENCE_DIR = Path("var/bench/references")
+
 
 def references(name: str, limit: int, max_tokens: int, dtype: str, batch_size: int,
                model: str | None = None) -> list[tuple[list[int], list[int]]]:
@@ -261,18 +262,25 @@ def parse_config(text: str) -> tuple[str, dict]:
 def add_answer_arguments(parser: argparse.ArgumentParser, sets: str, prompts: int) -> None:
     """The arguments that name the greedy answers a replay reads (`references`): --sets,
     --prompts, --max-tokens, --dtype, --batch-size and --model."""
-    parser.add_argument("--sets", default=sets,
-                        help=f"comma-separated: mt_bench, code, sharegpt-tune (default {sets})")
-    parser.add_argument("--prompts", type=int, default=prompts,
-                        help=f"per set, at most ({prompts})")
-    parser.add_argument("--max-tokens", type=int, default=128, help="answer length (128)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                        help="of the greedy answers (bfloat16)")
+    flags.add_sets(parser, sets)
+    flags.add_prompts(parser, prompts, per_set=True)
+    flags.add_max_tokens(parser, 128)
+    flags.add_dtype(parser)  # of the greedy answers
     parser.add_argument("--batch-size", type=int, default=8,
                         help="engine batch for generating the answers, once (8)")
-    parser.add_argument("--model", default=None,
-                        help="whose greedy answers: a name of `sssd-models list` (default: "
-                        "SmolLM2-135M-Instruct); datastores must be built with its tokenizer")
+    flags.add_model(parser)
+
+
+def load_reference(build: Path) -> ModuleType:
+    """The paper's `sssd_speculator` extension module from the directory it was built in, loaded
+    by its file (the directory is not put on the import path)."""
+    found = sorted(build.resolve().glob("sssd_speculator*.so"))
+    if not found:
+        raise ImportError(f"no sssd_speculator*.so in {build}")
+    spec = importlib.util.spec_from_file_location("sssd_speculator", found[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -280,9 +288,8 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_answer_arguments(parser, "mt_bench,code", 80)
     parser.add_argument("--budgets", default="4,8,16,32")
-    parser.add_argument("--datastore", action="append", type=Path, default=[],
-                        help="datastore(s) to score with (repeatable; default: the ShareGPT "
-                        "datastore the main job builds)")
+    flags.add_datastore(parser, "datastore(s) to score with (repeatable; default: the "
+                        "ShareGPT datastore the main job builds)", repeat=True)
     parser.add_argument("--config", action="append", default=[],
                         help="name:key=value,... drafter constants (DraftParams fields, and "
                         "model_shard_weight), repeatable; default one config with the defaults")
@@ -309,9 +316,8 @@ def main(argv: list[str] | None = None) -> None:
                              args.model) for name in args.sets.split(",")}
     reference = None
     if args.reference_build is not None:
-        sys.path.insert(0, str(args.reference_build.resolve()))
         try:
-            import sssd_speculator as reference
+            reference = load_reference(args.reference_build)
         except ImportError as exc:
             parser.error(f"--reference-build {args.reference_build}: cannot import "
                          f"sssd_speculator ({exc})")

@@ -54,25 +54,22 @@ import json
 import logging
 import re
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from bench import flags
+from bench.prompt_sets import SETS, prompt_texts
 from sssd.cli.datastores import check_datastore
 from sssd.common.config.logs import configure_logging
 from sssd.common.data.corpus import prompt_token_ids
-from sssd.common.model.device import check_device
 from sssd.common.model.loader import LoadedModel, load_causal_lm
 from sssd.datastore.manifest import read_manifest
 from sssd.verifier.engine import EngineConfig, EngineStats
 from sssd.verifier.engine.budget_policy import FixedBudget
 from sssd.verifier.engine.request import GenerateRequest, SamplingParams
 from sssd.verifier.factory import build_engine
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prompt_sets import SETS, prompt_texts  # noqa: E402
 
 logger = logging.getLogger("e2e")
 
@@ -286,25 +283,20 @@ def specs(modes: list[str], policies: list[str], datastore: Path | None,
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--datastore", type=Path, default=None,
-                        help="datastore for sssd (default: the largest "
+    flags.add_datastore(parser, "datastore for sssd (default: the largest "
                         "var/self-outputs/datastore-N)")
     parser.add_argument("--extra-datastore", type=Path, default=None,
                         help="a second datastore, run with sssd and every --policies policy")
-    parser.add_argument("--set", default="mt_bench", choices=SETS[:2],
-                        help="prompt set: mt_bench first turns (default) or the code set")
-    parser.add_argument("--prompts", type=int, default=80, help="prompts of the set (80)")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--batch-sizes", default="1,4,8")
+    flags.add_set(parser, choices=SETS[:2])
+    flags.add_prompts(parser, 80)
+    flags.add_max_tokens(parser, 128)
+    flags.add_batch_sizes(parser, "1,4,8")
     parser.add_argument("--modes", default="ar,prompt_lookup,sssd")
     parser.add_argument("--policies", default="rule,measured",
                         help="rule, measured, fixed:N (comma-separated)")
-    parser.add_argument("--model", default=None,
-                        help="a GGUF file, a model directory or a name of `sssd-models list` "
-                        "(default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--device", default="cpu", type=check_device,
-                        help="where the model runs: cpu (default), cuda, cuda:N, auto")
+    flags.add_model(parser)
+    flags.add_dtype(parser)
+    flags.add_device(parser)
     parser.add_argument("--hf-prompts", type=int, default=10,
                         help="prompts for the transformers generate() row (0: skip)")
     parser.add_argument("--hf-assistant", default=None,
@@ -317,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
                         "where a chunk would hold fewer prompts than the batch size)")
     parser.add_argument("--drafter", default="grpc", choices=("grpc", "inproc"),
                         help="drafter as a gRPC service on 127.0.0.1 (default) or in process")
-    parser.add_argument("--png", type=Path, default=Path("var/bench/e2e.png"))
+    flags.add_png(parser, "e2e")
     args = parser.parse_args(argv)
     configure_logging(logging.INFO)
 

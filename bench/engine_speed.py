@@ -56,6 +56,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import flags
+
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 RESULT = "engine-speed-result: "
@@ -224,9 +226,7 @@ def memory_bandwidth() -> float:
 
 
 def prompt_ids(tokenizer, set_name: str, limit: int) -> list[list[int]]:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from prompt_sets import prompt_texts
-
+    from bench.prompt_sets import prompt_texts
     from sssd.common.data.corpus import prompt_token_ids
 
     return [prompt_token_ids(tokenizer, text) for text in prompt_texts(set_name, limit)]
@@ -270,20 +270,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2,qwen-coder-1.5b")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--batch-sizes", default="1,4,8")
-    parser.add_argument("--set", default="mt_bench")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    flags.add_batch_sizes(parser, "1,4,8")
+    flags.add_set(parser)
+    flags.add_prompts(parser, 8)
+    flags.add_max_tokens(parser, 64)
     parser.add_argument("--systems", default=",".join(PLAIN))
     parser.add_argument("--speculative", default=",".join(SPECULATIVE),
                         help="speculative systems ('' for none)")
-    parser.add_argument("--datastore", default=None,
-                        help="SSSD datastore (default: the newest under var/demo-datastore, "
-                        "SmolLM2's tokenizer)")
+    flags.add_datastore(parser, "SSSD datastore (default: the newest under var/demo-datastore, "
+                        "SmolLM2's tokenizer)", type=str)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--policy", default="measured", choices=("measured", "rule"),
                         help="engine-sssd's budget policy")
-    parser.add_argument("--out", default=str(ROOT / "bench/results/engine-speed.jsonl"))
+    flags.add_out(parser, "bench/results/engine-speed.jsonl")
     parser.add_argument("--plot", metavar="JSONL", help="only draw the PNG of a finished run")
     parser.add_argument("--vllm-eager", action="store_true",
                         help="vLLM without its compiled graphs (faster start, slower decoding)")
@@ -311,9 +310,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("vLLM runs from .venv-vllm: run  bash scripts/setup_vllm.sh  first, "
                          "or leave vllm out of --systems and --speculative")
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from vllm_peers import free_port, newest, start_drafter
-
+    from bench.vllm_peers import free_port, newest, start_drafter
     from sssd.common.model.tokenizer import load_tokenizer
     from sssd.vllm.export_model import export_model
 

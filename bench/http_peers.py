@@ -60,8 +60,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_peers import datastore_vocab_size, free_port  # noqa: E402
+from bench import flags
+from bench.vllm_peers import datastore_vocab_size, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -131,8 +131,7 @@ def write_datasets(work: Path, sharegpt_counts: list[int],
     """Per dataset, one file per concurrency level, holding prompts no other level has: a server
     that learns from what it served (vLLM's suffix method, our live datastore) gains nothing
     from an earlier cell, and neither does a prefix cache."""
-    from prompt_sets import prompt_texts  # bench/, on the path since the imports above
-
+    from bench.prompt_sets import prompt_texts  # bench/, on the path since the imports above
     from sssd.common.data.corpus import iter_sharegpt, sharegpt_messages
 
     # Twice the prompts per cell: the client drops pairs outside its length limits.
@@ -326,17 +325,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts-per-slot", type=int, default=8,
                         help="a cell at concurrency c gets at least this many times c prompts")
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--datastore", default=None,
-                        help="the drafters' datastore (default: the demo datastore of the "
-                        "model's tokenizer)")
+    flags.add_dtype(parser)
+    flags.add_datastore(parser, "the drafters' datastore (default: the demo datastore of the "
+                        "model's tokenizer)", type=str)
     parser.add_argument("--k", type=int, default=4, help="vLLM's draft length")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads of each of our Ray workers (default: what `sssd up` "
                         "picks, the cores split among them; on 2 cores, one each: two each "
                         "decoded no faster with speculation and slower without, "
                         "docs/operations.md)")
-    parser.add_argument("--out", default="bench/results/http-peers.jsonl")
+    flags.add_out(parser, "bench/results/http-peers.jsonl")
     parser.add_argument("--plot", default=None, help="only draw the PNG of this JSONL")
     args = parser.parse_args(argv)
     if args.plot:

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import flags
+
 VOCAB = 49_152
 FINGERPRINT = "bench-ingest-" + "0" * 51
 
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="conversations per build (what a live indexer sees per interval)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per size (medians)")
     parser.add_argument("--work-dir", type=Path, default=Path("var/bench-ingest"))
-    parser.add_argument("--out", type=Path, default=None, help="also append the JSON lines here")
+    flags.add_out(parser, None)
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     if not sizes or min(sizes) < 1 or args.conversations < 1:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from bench import flags
 from sssd import _kernels
 
 # hidden, intermediate, query heads, key/value heads, head size, layers, vocabulary
@@ -46,10 +47,10 @@ def products(model: str) -> list[tuple[int, int]]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen-coder-1.5b", choices=sorted(SHAPES))
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    flags.add_dtype(parser)
     parser.add_argument("--rows", default="1,2,4,8,16")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", default=None, help="also write the JSON lines here")
+    flags.add_out(parser, None)
     args = parser.parse_args(argv)
 
     from sssd.common.model.decoder import (

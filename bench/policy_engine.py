@@ -36,22 +36,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import Run  # noqa: E402
-from policy_replay import parse_costs  # noqa: E402
-from prompt_sets import SETS, prompt_texts  # noqa: E402
-
-from sssd.cli.datastores import check_datastore, pick_datastore  # noqa: E402
-from sssd.common.config.logs import configure_logging  # noqa: E402
-from sssd.common.data.corpus import prompt_token_ids  # noqa: E402
-from sssd.common.model.loader import load_causal_lm  # noqa: E402
-from sssd.verifier.engine.budget_policy import (  # noqa: E402
+from bench import flags
+from bench.e2e import Run
+from bench.policy_replay import parse_costs
+from bench.prompt_sets import prompt_texts
+from sssd.cli.datastores import check_datastore, pick_datastore
+from sssd.common.config.logs import configure_logging
+from sssd.common.data.corpus import prompt_token_ids
+from sssd.common.model.loader import load_causal_lm
+from sssd.verifier.engine.budget_policy import (
     DEFAULT_ACCEPTANCE_PRIOR,
     ROW_DECAY,
     MeasuredBudget,
@@ -111,14 +109,13 @@ class PricedRun:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="a name of `sssd-models list` (SmolLM2)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--datastore", type=Path, default=None,
-                        help="built with the model's tokenizer (default: the ShareGPT datastore "
-                        "the main job builds)")
-    parser.add_argument("--sets", default="code,mt_bench", help=f"comma-separated of {SETS}")
-    parser.add_argument("--prompts", type=int, default=16, help="per set (16)")
-    parser.add_argument("--max-tokens", type=int, default=128)
+    flags.add_model(parser)
+    flags.add_dtype(parser)
+    flags.add_datastore(parser, "built with the model's tokenizer (default: the ShareGPT "
+                        "datastore the main job builds)")
+    flags.add_sets(parser, "code,mt_bench")
+    flags.add_prompts(parser, 16, per_set=True)
+    flags.add_max_tokens(parser, 128)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--chunks", type=int, default=2,
                         help="configurations take turns chunk by chunk (2)")

@@ -31,15 +31,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from draft_quality import accepted_path, add_answer_arguments, references  # noqa: E402
-
-from sssd.verifier.engine.budget_policy import (  # noqa: E402
+from bench import flags
+from bench.draft_quality import accepted_path, add_answer_arguments, references
+from sssd.verifier.engine.budget_policy import (
     DEFAULT_ACCEPTANCE_PRIOR,
     DEFAULT_BUDGETS,
     HINDSIGHT_EVERY,
@@ -117,9 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_answer_arguments(parser, "code,mt_bench", 24)
-    parser.add_argument("--datastore", type=Path, default=None,
-                        help="built with the model's tokenizer (default: the ShareGPT datastore "
-                        "the main job builds)")
+    flags.add_datastore(parser, "built with the model's tokenizer (default: the ShareGPT "
+                        "datastore the main job builds)")
     parser.add_argument("--costs", type=parse_costs, required=True,
                         help="ms a step at budgets 1,2,4,8,16,32, as budget:ms,...")
     parser.add_argument("--profile", type=Path, default=None,

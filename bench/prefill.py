@@ -34,8 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_speed import VLLM_PYTHON, cpu_name, model_file  # noqa: E402
+from bench import flags
+from bench.engine_speed import VLLM_PYTHON, cpu_name, model_file
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "prefill-result: "
@@ -141,12 +141,12 @@ def run_system(args: argparse.Namespace, system: str, model: str, work: Path,
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2,qwen-coder-1.5b")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    flags.add_dtype(parser)
     parser.add_argument("--lengths", default="128,256,512,1024,2000")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
-    parser.add_argument("--out", default=str(ROOT / "bench/results/prefill.jsonl"))
+    flags.add_out(parser, "bench/results/prefill.jsonl")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--system", "--prompts-file", "--model-file", "--vllm-model"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)

@@ -25,11 +25,9 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from draft_quality import accepted_along, references  # noqa: E402
+from bench import flags
+from bench.draft_quality import accepted_along, references
 
 ALLOCATIONS = ("uniform", "global", "history", "split")
 HISTORY_DECAY = 0.3  # a row's acceptance share moves this far towards each step's
@@ -102,14 +100,12 @@ def replay(drafter, pairs: list[tuple[list[int], list[int]]], batch: int, budget
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None,
-                        help="a name of `sssd-models list` (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--datastore", type=Path, required=True,
-                        help="a datastore built with the model's tokenizer")
-    parser.add_argument("--sets", default="code,mt_bench")
-    parser.add_argument("--prompts", type=int, default=24)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--batch-sizes", default="4,8")
+    flags.add_model(parser)
+    flags.add_datastore(parser, "a datastore built with the model's tokenizer", required=True)
+    flags.add_sets(parser, "code,mt_bench")
+    flags.add_prompts(parser, 24)
+    flags.add_max_tokens(parser, 128)
+    flags.add_batch_sizes(parser, "4,8")
     parser.add_argument("--budgets", default="2,4,8")
     parser.add_argument("--draft-budget", type=int, default=32,
                         help="nodes each row's tree is drafted at before it is cut (32)")

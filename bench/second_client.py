@@ -21,13 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import http_peers  # noqa: E402
+from bench import flags, http_peers
 
 ROOT = http_peers.ROOT
 
@@ -46,12 +44,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--datastore", default=None)
+    flags.add_dtype(parser)
+    flags.add_datastore(parser, "the drafter's datastore (default: the demo datastore)", type=str)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--guidellm", default=str(ROOT / ".venv-guidellm" / "bin" / "guidellm"))
-    parser.add_argument("--out", default="bench/results/second-client.jsonl")
+    flags.add_out(parser, "bench/results/second-client.jsonl")
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if not Path(args.guidellm).is_file():

@@ -36,17 +36,11 @@ import threading
 import time
 from pathlib import Path
 
+from bench import flags
+from bench.stats import percentile
 from sssd.common.config.logs import configure_logging
 
 logger = logging.getLogger("serving")
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def one_request(client, prompt: str, max_tokens: int, speculation: str, arrival: float,
@@ -170,18 +164,18 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default="0.1,0.2,0.4,0.8", help="requests/s, comma-separated")
     parser.add_argument("--requests", type=int, default=16, help="per (rate, speculation)")
-    parser.add_argument("--max-tokens", type=int, default=128)
+    flags.add_max_tokens(parser, 128)
     parser.add_argument("--target", default=None, help="a running server; else start one")
     parser.add_argument("--single-process", action="store_true",
                         help="started server: engine in this process, no Ray")
-    parser.add_argument("--datastore", type=Path, default=None)
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    flags.add_datastore(parser, "the drafter's datastore (default: as sssd up)")
+    flags.add_dtype(parser)
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--budget-policy", default="measured", choices=("rule", "measured"))
     parser.add_argument("--drafter-port", type=int, default=50151)
     parser.add_argument("--metrics-port", type=int, default=8180)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--png", type=Path, default=Path("var/bench/serving.png"))
+    flags.add_png(parser, "serving")
     args = parser.parse_args(argv)
     configure_logging(logging.INFO)
 

@@ -37,10 +37,9 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from chaos import Stack, percentile  # noqa: E402 - the bench directory is not a package
-
+from bench import flags
+from bench.chaos import Stack
+from bench.stats import percentile
 from sssd.common.config.logs import configure_logging
 
 logger = logging.getLogger("soak")
@@ -51,9 +50,8 @@ def processes(stack) -> dict[str, int]:
     import ray
 
     pids = {"api (driver)": os.getpid()}
-    for kind, slots in (("prefill", stack.frontend.backend._prefill),
-                        ("decode", stack.frontend.backend._decode)):
-        for i, slot in enumerate(slots):
+    for kind in ("prefill", "decode"):
+        for i, slot in enumerate(stack.frontend.backend.workers(kind)):
             pids[f"{kind}-{i}"] = ray.get(slot.actor.ready.remote(), timeout=60)["pid"]
     for name in ("redis", "indexer", "drafter-0", "drafter-1", "speculator"):
         if stack.supervisor.has(name):
@@ -122,8 +120,7 @@ def measure_capacity(client, prompts, args) -> float:
 
 
 def run(args) -> list[dict]:
-    from prompt_sets import prompt_texts
-
+    from bench.prompt_sets import prompt_texts
     from sssd.client import GenerationClient, RetryPolicy
     from sssd.common.data.corpus import prompt_token_ids
     from sssd.common.model.tokenizer import load_tokenizer
@@ -217,9 +214,9 @@ def summary(samples, records, start, capacity, rate, args) -> dict:
         "abandoned": sum(r["abandoned"] for r in records),
         "failed": sum(not r["ok"] for r in records),
         "rss": rss, "rss_max_abs_change_pct": max(abs(v["change_pct"]) for v in rss.values()),
-        "fds": fds, "latency_first_5min": {"p50": percentile(head, 0.5),
-                                           "p99": percentile(head, 0.99), "n": len(head)},
-        "latency_last_5min": {"p50": percentile(tail, 0.5), "p99": percentile(tail, 0.99),
+        "fds": fds, "latency_first_5min": {"p50": percentile(head, 50),
+                                           "p99": percentile(head, 99), "n": len(head)},
+        "latency_last_5min": {"p50": percentile(tail, 50), "p99": percentile(tail, 99),
                               "n": len(tail)},
         "drafter_sequences": sequences,
     }
@@ -245,8 +242,8 @@ def plot(rows, records, start, path: Path) -> None:
         if r["ok"] and not r["abandoned"]:
             minutes.setdefault(int((r["sent"] - start) // 60), []).append(r["ended"] - r["sent"])
     keys = sorted(minutes)
-    axes[1][0].plot(keys, [percentile(minutes[k], 0.5) for k in keys], label="p50")
-    axes[1][0].plot(keys, [percentile(minutes[k], 0.99) for k in keys], label="p99")
+    axes[1][0].plot(keys, [percentile(minutes[k], 50) for k in keys], label="p50")
+    axes[1][0].plot(keys, [percentile(minutes[k], 99) for k in keys], label="p99")
     axes[1][0].set_title("latency per minute of arrival (s)")
     axes[1][0].legend()
     for name in samples[0]["drafter_sequences"]:
@@ -272,18 +269,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe-clients", type=int, default=4)
     parser.add_argument("--abandon", type=float, default=0.1,
                         help="fraction of requests the client drops after a few tokens")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    flags.add_max_tokens(parser, 32)
     parser.add_argument("--prompt-set", default="mt_bench")
-    parser.add_argument("--prompts", type=int, default=16)
+    flags.add_prompts(parser, 16)
     parser.add_argument("--speculator", action="store_true")
-    parser.add_argument("--datastore", type=Path, default=None)
+    flags.add_datastore(parser, "the datastore the live one starts from (default: as sssd up)")
     parser.add_argument("--records", type=int, default=2000)
     parser.add_argument("--build-tokens", type=int, default=2048)
     parser.add_argument("--build-interval-s", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=30)
     parser.add_argument("--work-dir", type=Path, default=Path("var/bench-soak"))
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--png", type=Path, default=None)
+    flags.add_out(parser, None)
+    flags.add_png(parser, None)
     args = parser.parse_args(argv)
     if args.duration_s < 600 and args.duration_s < 2 * args.warmup_s:
         parser.error("--duration-s must be at least twice --warmup-s")

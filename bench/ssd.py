@@ -33,14 +33,11 @@ import json
 import logging
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from prompt_sets import prompt_texts  # noqa: E402
-
+from bench import flags
+from bench.prompt_sets import prompt_texts
 from sssd.common.config.logs import configure_logging
 
 logger = logging.getLogger("ssd")
@@ -133,29 +130,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=str(model_path("qwen-coder-1.5b")))
     parser.add_argument("--draft", default=str(model_path("qwen-coder-0.5b")))
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                        help="of both models (default bfloat16, as served: both run the "
-                        "project's own forward pass, whose bfloat16 products also run on CPUs "
-                        "without bfloat16 instructions)")
-    parser.add_argument("--device", default="cpu",
-                        help="of the target and the draft model: cpu (default), cuda, cuda:N, "
-                        "auto")
-    parser.add_argument("--sets", default="code,mt_bench")
-    parser.add_argument("--prompts", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--batch-sizes", default="1")
+    flags.add_dtype(parser)  # of both models
+    flags.add_device(parser)  # of the target and the draft model
+    flags.add_sets(parser, "code,mt_bench")
+    flags.add_prompts(parser, 2)
+    flags.add_max_tokens(parser, 32)
+    flags.add_batch_sizes(parser, "1")
     parser.add_argument("--temperatures", default="0")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--lookahead", type=int, default=3, help="K")
     parser.add_argument("--fanout-budget", type=int, default=8, help="B")
     parser.add_argument("--sweep-fanout", default="",
                         help="also run ssd_geometric on the first set at b=1 greedy with these B")
-    parser.add_argument("--datastore", type=Path, default=None,
-                        help="of the sssd configuration (default: the one `sssd up` serves "
-                        "for the target's tokenizer)")
+    flags.add_datastore(parser, "of the sssd configuration (default: the one `sssd up` "
+                        "serves for the target's tokenizer)")
     parser.add_argument("--sssd-budget", type=int, default=16,
                         help="draft-tree nodes of the sssd configuration (16)")
-    parser.add_argument("--png", type=Path, default=Path("var/bench/ssd.png"))
+    flags.add_png(parser, "ssd")
     args = parser.parse_args()
     configure_logging(logging.INFO)
 

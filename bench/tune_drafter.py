@@ -18,12 +18,9 @@ import argparse
 import dataclasses
 import json
 import logging
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from draft_quality import references, replay  # noqa: E402
-
+from bench import flags
+from bench.draft_quality import references, replay
 from sssd.common.config.logs import configure_logging
 
 # The values tried for each constant, in the order they are swept.
@@ -41,14 +38,12 @@ GRID = {
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--prompts", type=int, default=200)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    flags.add_prompts(parser, 200)
+    flags.add_max_tokens(parser, 128)
     parser.add_argument("--budgets", default="4,8,16,32")
     parser.add_argument("--passes", type=int, default=2, help="sweeps over every constant")
-    parser.add_argument("--datastore", type=Path, default=None)
-    parser.add_argument("--model", default=None,
-                        help="whose greedy answers: a name of `sssd-models list` (default: "
-                        "SmolLM2-135M-Instruct); the datastore must be built with its tokenizer")
+    flags.add_datastore(parser, "the datastore tuned against (default: the ShareGPT datastore)")
+    flags.add_model(parser)
     args = parser.parse_args(argv)
     configure_logging(logging.WARNING)
 

@@ -45,6 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import flags
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "vllm-peers-result: "  # marks the worker's line among vLLM's own output
 PROPOSER = "sssd.vllm.proposer.VllmDrafterProposer"
@@ -61,9 +63,9 @@ MODES = (*VLLM_SPECS, "engine")
 
 
 def prompt_ids(model: Path, set_name: str, limit: int) -> list[list[int]]:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from prompt_sets import prompt_texts
     from transformers import AutoTokenizer
+
+    from bench.prompt_sets import prompt_texts
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     out = []
@@ -250,21 +252,21 @@ def run_one(args: argparse.Namespace, mode: str, set_name: str, batch_size: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sets", default="mt_bench,code")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--batch-sizes", default="1,8")
+    flags.add_sets(parser, "mt_bench,code")
+    flags.add_prompts(parser, 8)
+    flags.add_max_tokens(parser, 64)
+    flags.add_batch_sizes(parser, "1,8")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--k", type=int, default=4, help="vLLM's num_speculative_tokens")
     parser.add_argument("--budget", type=int, default=16, help="draft-tree nodes asked per step")
     parser.add_argument("--min-score", type=float, default=0.2,
                         help="the proposer's min_score (see sssd.vllm.proposer)")
-    parser.add_argument("--datastore", default=None, help="ShareGPT datastore (sssd, engine)")
+    flags.add_datastore(parser, "ShareGPT datastore (sssd, engine)", type=str)
     parser.add_argument("--self-datastore", default=None, help="self-output datastore")
     parser.add_argument("--model-name", "--model", dest="model_name", default=None,
                         help="a name of `sssd-models list` (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--out", default=str(ROOT / "bench/results/vllm-peers.jsonl"))
+    flags.add_dtype(parser, "float32")
+    flags.add_out(parser, "bench/results/vllm-peers.jsonl")
     parser.add_argument("--plot", metavar="JSONL", help="only draw the PNG of a finished run")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)

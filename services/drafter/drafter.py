@@ -37,11 +37,14 @@ class LocalDrafter:
     sources = ("sssd",)
     hindsight_drafts = True  # trees are best-first and cheap: see sssd.common.drafting.proposer
 
-    def __init__(self, config: DrafterConfig) -> None:
+    def __init__(self, config: DrafterConfig, core: _core.BatchDrafter | None = None) -> None:
+        """`core`: the C++ batch drafter its calls go to (default: one made from `config`); a
+        benchmark passes one wrapped to time the C++ call apart from this layer."""
         self.config = config
         self._is_started = False
         self._is_closed = False
-        self._core = _core.BatchDrafter(config.params.to_core(), config.resolved_num_threads)
+        self._core = core if core is not None else \
+            _core.BatchDrafter(config.params.to_core(), config.resolved_num_threads)
         self._sequences: dict[str, _Sequence] = {}
         self._lock = threading.Lock()
         self.watcher: DatastoreWatcher | None = None

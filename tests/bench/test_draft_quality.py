@@ -1,16 +1,13 @@
 """The side-by-side adapter of bench/draft_quality.py for the paper's reference drafter, against
 a stand-in for its Reader (the library itself is built by hand, not installed here)."""
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from draft_quality import ReferenceDrafter, reference_vocab, replay  # noqa: E402
-
-from sssd.common.drafting.proposer import DraftRequest  # noqa: E402
+from bench.draft_quality import ReferenceDrafter, reference_vocab, replay
+from sssd.common.drafting.proposer import DraftRequest
 
 
 class FakeReader:

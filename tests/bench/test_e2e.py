@@ -2,13 +2,10 @@
 time per output token (TPOT) is measured from its first token to its last."""
 
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from e2e import decode_timed, tpot_speedups  # noqa: E402
-
+from bench.e2e import decode_timed, tpot_speedups
 from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.factory import build_engine
 
@@ -36,8 +33,7 @@ def test_a_datastore_of_another_tokenizer_stops_the_benchmark_before_it_measures
     """A drafter refuses such shards and drafts from each sequence's own tokens: the SSSD rows
     would be measured without the datastore they name (as on a GPU machine whose transformers
     fingerprinted the tokenizer differently)."""
-    import e2e
-
+    from bench import e2e
     from sssd.datastore.build import build_datastore
 
     build_datastore(tmp_path / "other", [[1, 2, 3, 4]], target_model_fp32.vocab_size, "e" * 64)

@@ -3,13 +3,11 @@ own process, JSON lines, the same tokens as the engine, the PNG (vLLM is left ou
 environment is .venv-vllm, which tests/vllm covers)."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import engine_speed  # noqa: E402
+from bench import engine_speed
 
 
 @pytest.mark.model

@@ -2,13 +2,10 @@
 benchmark itself, not here: they take minutes)."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import http_peers  # noqa: E402
+from bench import http_peers
 
 
 def test_cells_grow_with_concurrency():

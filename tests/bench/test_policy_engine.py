@@ -2,22 +2,18 @@
 policy is told those prices as its timed steps' times."""
 
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from bench.policy_engine import PricedRun, after_warm_up, step_noise
 from sssd.verifier.engine.budget_policy import (
     DEFAULT_BUDGETS,
     FixedBudget,
     ForwardProfile,
     MeasuredBudget,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from policy_engine import PricedRun, after_warm_up, step_noise  # noqa: E402
 
 COSTS = {1: 10.0, 2: 11.0, 4: 12.0, 8: 14.0, 16: 18.0, 32: 30.0}
 DRAIN = {1: 5.0, 2: 6.0, 4: 7.0, 8: 8.0, 16: 9.0, 32: 10.0}

@@ -2,18 +2,14 @@
 driven by a drafter that knows the answer."""
 
 import argparse
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from draft_quality import accepted_path  # noqa: E402
-from policy_replay import parse_costs, serve  # noqa: E402
-
-from sssd.common.drafting.draft_tree import DraftTree  # noqa: E402
-from sssd.verifier.engine.budget_policy import FixedBudget  # noqa: E402
+from bench.draft_quality import accepted_path
+from bench.policy_replay import parse_costs, serve
+from sssd.common.drafting.draft_tree import DraftTree
+from sssd.verifier.engine.budget_policy import FixedBudget
 
 COSTS = "1:100,2:100,4:100,8:110,16:120,32:200"
 

@@ -3,15 +3,11 @@ processes (vLLM is left out: its environment is .venv-vllm), one JSON line each 
 engine-flash really without the engine's prompt kernel."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from bench import prefill
 from sssd import _kernels
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import prefill  # noqa: E402
 
 
 @pytest.mark.model

@@ -1,14 +1,10 @@
 """The allocations of bench/row_budgets.py: how a step's b x s_q nodes are shared out."""
 
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from row_budgets import share  # noqa: E402
-
-from sssd.common.drafting.draft_tree import DraftTree  # noqa: E402
+from bench.row_budgets import share
+from sssd.common.drafting.draft_tree import DraftTree
 
 
 def chain(probs: list[float]) -> DraftTree:

@@ -1,11 +1,8 @@
 """bench/ssd.py's measuring loop runs (it had stopped running once without a test noticing) and
 a proposer's answers equal plain decoding's there."""
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from ssd import run  # noqa: E402
+from bench.ssd import run
 
 
 def test_the_loop_decodes_the_same_with_a_proposer(target_model_fp32, mt_bench_prompts):

@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Slot:
+class WorkerSlot:
     actor: object  # a Ray actor handle
     name: str
     load: int = 0  # requests in flight
@@ -98,9 +98,9 @@ class RayBackend:
         self.max_requests = max_requests
         self.endpoints: dict = {}
         self.admission: Admission | None = None  # once the workers report their model
-        self._prefill: list[_Slot] = []
-        self._decode: list[_Slot] = []
-        self._workers: dict[str, _Slot] = {}  # request id -> its decode worker
+        self._prefill: list[WorkerSlot] = []
+        self._decode: list[WorkerSlot] = []
+        self._workers: dict[str, WorkerSlot] = {}  # request id -> its decode worker
         self._inboxes: dict[str, queue.Queue] = {}  # request id -> its events from the worker
         self._subscriber = secrets.token_hex(8)  # this frontend, to the decode workers
         self._cancelled: set[str] = set()
@@ -110,6 +110,13 @@ class RayBackend:
         self._eos_token_ids: frozenset[int] = frozenset()
         self._owns_ray = False
         self.num_failovers = 0  # requests moved to another worker (all time)
+
+    def workers(self, kind: str) -> list[WorkerSlot]:
+        """The prefill or the decode workers (each one's actor, and whether it is up), for tools
+        that watch or fault them (bench/chaos.py, bench/soak.py)."""
+        if kind not in ("prefill", "decode"):
+            raise ValueError(f"kind must be 'prefill' or 'decode', got {kind!r}")
+        return list(self._prefill if kind == "prefill" else self._decode)
 
     def start(self, timeout_s: float = 600.0) -> "RayBackend":
         """Starts or joins Ray, creates the workers and waits until each has loaded the model."""
@@ -145,10 +152,10 @@ class RayBackend:
         decode_cls = ray.remote(DecodeWorker).options(
             max_concurrency=self.max_requests + 8, **options,
             resources=_pin(cfg.decode_resource))
-        self._prefill = [_Slot(prefill_cls.remote(self.engine_config, f"prefill-{i}",
+        self._prefill = [WorkerSlot(prefill_cls.remote(self.engine_config, f"prefill-{i}",
                                                   threads), f"prefill-{i}")
                          for i in range(plan.num_prefill_workers)]
-        self._decode = [_Slot(decode_cls.remote(self.engine_config, f"decode-{i}",
+        self._decode = [WorkerSlot(decode_cls.remote(self.engine_config, f"decode-{i}",
                                                 self.max_requests, threads,
                                                 publish=self.publish,
                                                 own_prefill=not self._prefill),
@@ -235,7 +242,7 @@ class RayBackend:
 
     # --- routing and failover -------------------------------------------------------------------
 
-    def _take(self, slots: list[_Slot], kind: str, request_id: str) -> _Slot:
+    def _take(self, slots: list[WorkerSlot], kind: str, request_id: str) -> WorkerSlot:
         """The least-loaded live worker of `slots` (its load counted); waits for one to come
         back while all are down, up to failover_wait_s."""
         deadline = time.monotonic() + self.ray_config.failover_wait_s
@@ -251,7 +258,7 @@ class RayBackend:
                     raise _WorkerLost(f"no live {kind} worker")
                 self._changed.wait(min(left, 1.0))
 
-    def _mark_down(self, slot: _Slot, reason: str) -> None:
+    def _mark_down(self, slot: WorkerSlot, reason: str) -> None:
         """Takes a worker out of routing; a probe brings it back once `ready` answers."""
         with self._lock:
             if not slot.up:
@@ -262,7 +269,7 @@ class RayBackend:
         threading.Thread(target=self._probe, args=(slot,), name=f"probe-{slot.name}",
                          daemon=True).start()
 
-    def _probe(self, slot: _Slot) -> None:
+    def _probe(self, slot: WorkerSlot) -> None:
         while not self._closed.is_set():
             try:
                 ray.get(slot.actor.ready.remote(), timeout=30)
@@ -387,7 +394,7 @@ class RayBackend:
                 if not released_prefill:
                     prefill.load -= 1
 
-    def _read_events(self, slot: _Slot) -> None:
+    def _read_events(self, slot: WorkerSlot) -> None:
         """Reads one decode worker's stream of event batches for as long as this backend runs
         and hands each event to its request's queue. When the worker dies, its requests get
         _LOST (they move on to another worker); once it is back, the stream is opened again."""
