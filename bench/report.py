@@ -1,0 +1,327 @@
+"""The current results tables, generated from the results files so that no number on a page can
+drift from the lines it came from.
+
+`bench/results/current.toml` names, per claim, the result files that are current (a newer run of
+the same cell replaces its entry there); every row of a table names its machine (the `Machine:`
+line of its folder's NOTES.md), its date and its folder. This program rewrites the part of
+docs/benchmarks.md between `<!-- report:begin -->` and `<!-- report:end -->` and the README's
+table between `<!-- headline:begin -->` and `<!-- headline:end -->`; `--check` only says whether
+they are up to date (exit status 1 if not: tests/test_style.py runs it).
+
+    python -m bench.report            # rewrite both pages
+    python -m bench.report --check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tomllib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+CURRENT = RESULTS / "current.toml"
+PAGES = {"docs/benchmarks.md": "report", "README.md": "headline"}
+
+
+@dataclass(frozen=True)
+class Source:
+    """One current result file: `folder/file` under bench/results, and what the file's rows do
+    not say themselves (the model; a label for the run)."""
+
+    folder: str
+    file: str
+    model: str = ""
+    batches: tuple[int, ...] = ()  # only these batch sizes of the file (all when empty)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "batches", tuple(self.batches))
+
+    @property
+    def path(self) -> Path:
+        return RESULTS / self.folder / self.file
+
+    def rows(self) -> list[dict]:
+        with open(self.path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    @property
+    def machine(self) -> str:
+        """The machine's short name: the `- Machine:` line of the folder's NOTES.md up to its
+        first comma or parenthesis."""
+        notes = RESULTS / self.folder / "NOTES.md"
+        match = re.search(r"(?m)^- Machine: (.+)$", notes.read_text()) if notes.is_file() else None
+        if match is None:
+            raise SystemExit(f"{notes}: no '- Machine:' line (every results folder says where "
+                             "it ran)")
+        return re.split(r"[,(;]", match.group(1))[0].strip()
+
+    @property
+    def where(self) -> str:
+        """The cell naming the machine and the folder (whose name starts with the date),
+        linked to the folder's NOTES.md."""
+        return f"[{self.machine}, {self.folder}]({_link(self.folder)})"
+
+
+def _link(folder: str) -> str:
+    return f"../bench/results/{folder}/NOTES.md"
+
+
+def load_current(path: Path = CURRENT) -> dict[str, list[Source]]:
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    return {claim: [Source(**entry) for entry in entries] for claim, entries in raw.items()}
+
+
+def _x(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}x"
+
+
+def _n(value: float | None, digits: int = 1) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
+
+
+def table(header: list[str], rows: Iterable[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# --- the claims ------------------------------------------------------------------------------
+
+
+def speculation_rows(source: Source) -> list[list[str]]:
+    """bench/e2e.py's lines: per batch size, plain decoding (ar), SSSD under the measured
+    budget policy, SSSD at its best fixed budget, and prompt lookup where it ran."""
+    rows = [r for r in source.rows() if r.get("batch") is not None and "speedup" in r]
+    out = []
+    for batch in sorted({r["batch"] for r in rows}):
+        if source.batches and batch not in source.batches:
+            continue
+        cell = [r for r in rows if r["batch"] == batch]
+        ar = next((r for r in cell if r["mode"] == "ar"), None)
+        measured = next((r for r in cell if r["mode"] == "sssd" and r["policy"] == "measured"),
+                        None)
+        if ar is None or measured is None:
+            continue
+        fixed = [r for r in cell if r["mode"] == "sssd" and str(r["policy"]).startswith("fixed:")]
+        best = max(fixed, key=lambda r: r["speedup"], default=None)
+        lookup = [r for r in cell if r["mode"] == "prompt_lookup"]
+        best_lookup = max(lookup, key=lambda r: r["speedup"], default=None)
+        same = min(r["same_as_ar"] for r in cell if "same_as_ar" in r)
+        out.append([
+            source.model, measured["prompt_set"], str(batch),
+            f"{measured['num_prompts']} x {measured['max_tokens']}",
+            _n(ar["tok_s"]),
+            f"{_x(measured['speedup'])} ({measured['tokens_per_step']:.2f})",
+            "" if best is None else f"{_x(best['speedup'])} ({best['policy'][6:]})",
+            _x(best_lookup["speedup"]) if best_lookup else "",
+            f"{same} / {measured['num_prompts']}",
+            source.where])
+    return out
+
+
+SPECULATION_HEADER = ["model", "set", "b", "prompts x tokens", "plain tok/s",
+                      "SSSD, measured policy (tokens/step)", "SSSD, best fixed budget",
+                      "prompt lookup", "answers equal to plain", "machine, results"]
+
+
+def plain_rows(source: Source) -> list[list[str]]:
+    """bench/engine_speed.py's lines: the engine's plain decoding against vLLM's CPU build and
+    transformers' generate(), by batch size."""
+    rows = source.rows()
+    out = []
+    for model, dtype, batch in sorted({(r["model"], r["dtype"], r["batch_size"]) for r in rows}):
+        cell = {r["system"]: r for r in rows
+                if (r["model"], r["dtype"], r["batch_size"]) == (model, dtype, batch)}
+        engine, vllm = cell.get("engine"), cell.get("vllm")
+        if engine is None or vllm is None:
+            continue
+        generate = cell.get("generate")
+        out.append([model, dtype, str(batch), _n(engine["tokens_per_s"]),
+                    _n(vllm["tokens_per_s"]),
+                    _x(engine["tokens_per_s"] / vllm["tokens_per_s"]),
+                    _n(generate["tokens_per_s"]) if generate else "",
+                    f"{engine['ms_per_step']:.1f} / {engine['floor_ms_per_step']:.1f}"
+                    if "floor_ms_per_step" in engine else "",
+                    source.where])
+    return out
+
+
+PLAIN_HEADER = ["model", "dtype", "b", "engine tok/s", "vLLM tok/s", "engine / vLLM",
+                "transformers generate() tok/s", "engine ms a step / weight-reading floor",
+                "machine, results"]
+
+
+def drafter_rows(source: Source) -> list[list[str]]:
+    """bench/vllm_peers.py's lines: vLLM's CPU build plain and with its `ngram` and `suffix`
+    methods and our drafter, and our engine with SSSD trees, by prompt set."""
+    rows = source.rows()
+    out = []
+    for prompt_set, batch in sorted({(r["set"], r["batch_size"]) for r in rows}):
+        cell = {r["mode"]: r for r in rows if (r["set"], r["batch_size"]) == (prompt_set, batch)}
+        none, engine = cell.get("none"), cell.get("engine")
+        if none is None or engine is None:
+            continue
+        out.append([source.model, prompt_set, str(batch), _n(none["tokens_per_s"]),
+                    *(_x(cell[m].get("speedup")) if m in cell else "" for m in
+                      ("ngram", "suffix", "sssd")),
+                    _n(engine["plain_tokens_per_s"]), _n(engine["tokens_per_s"]),
+                    _x(engine["speedup"]), source.where])
+    return out
+
+
+DRAFTER_HEADER = ["model", "set", "b", "vLLM plain tok/s", "vLLM ngram", "vLLM suffix",
+                  "vLLM + our drafter", "engine plain tok/s", "engine SSSD tok/s",
+                  "engine SSSD", "machine, results"]
+
+HTTP_SERVERS = ("ours-inproc-off", "ours-inproc", "ours-off", "ours", "vllm", "vllm-ngram",
+                "vllm-suffix", "vllm-sssd")
+
+
+def http_rows(source: Source) -> list[list[str]]:
+    """bench/http_peers.py's lines (vLLM's own benchmark client against every server): output
+    tokens/s and median TPOT per server, by prompt set and concurrency."""
+    rows = source.rows()
+    out = []
+    for dataset, concurrency in sorted({(r["dataset"], r["concurrency"]) for r in rows}):
+        cell = {r["server"]: r for r in rows
+                if (r["dataset"], r["concurrency"]) == (dataset, concurrency)}
+        out.append([source.model, dataset, str(concurrency),
+                    *(f"{cell[s]['output_throughput']:.0f} / {cell[s]['tpot_p50_ms']:.1f}"
+                      if s in cell else "" for s in HTTP_SERVERS),
+                    source.where])
+    return out
+
+
+HTTP_HEADER = ["model", "prompts", "c", *HTTP_SERVERS, "machine, results"]
+
+
+def headline_rows(current: dict[str, list[Source]]) -> list[list[str]]:
+    """The README's table: output tokens/s of our server with speculation off and on beside
+    vLLM's CPU build plain and with its drafters, one row per model and workload."""
+    out = []
+    for source in current.get("headline_http", []):
+        rows = source.rows()
+        for dataset, concurrency in sorted({(r["dataset"], r["concurrency"]) for r in rows}):
+            cell = {r["server"]: r["output_throughput"] for r in rows
+                    if (r["dataset"], r["concurrency"]) == (dataset, concurrency)}
+            ours, off = cell.get("ours-inproc"), cell.get("ours-inproc-off")
+            if ours is None or off is None:
+                continue
+            out.append([source.model, f"{dataset}, {concurrency} at a time, HTTP",
+                        f"{off:.0f}", f"**{ours:.0f}** ({ours / off:.2f}x)",
+                        *(f"{cell[s]:.0f}" if s in cell else "" for s in
+                          ("vllm", "vllm-ngram", "vllm-suffix")), source.where])
+    for source in current.get("headline_engine", []):
+        rows = source.rows()
+        for prompt_set, batch in sorted({(r["set"], r["batch_size"]) for r in rows}):
+            cell = {r["mode"]: r for r in rows
+                    if (r["set"], r["batch_size"]) == (prompt_set, batch)}
+            engine = cell.get("engine")
+            if engine is None:
+                continue
+            out.append([source.model, f"{prompt_set}, {batch} at a time, in process",
+                        _n(engine["plain_tokens_per_s"]),
+                        f"**{engine['tokens_per_s']:.1f}** ({engine['speedup']:.2f}x)",
+                        *(_n(cell[m]["tokens_per_s"]) if m in cell else "" for m in
+                          ("none", "ngram", "suffix")), source.where])
+    return out
+
+
+HEADLINE_HEADER = ["model", "workload", "ours, speculation off", "ours, SSSD",
+                   "vLLM (CPU)", "vLLM ngram", "vLLM suffix", "machine, results"]
+
+
+@dataclass(frozen=True)
+class Claim:
+    key: str
+    title: str
+    text: str
+    header: list[str]
+    rows: Callable[[Source], list[list[str]]]
+
+
+CLAIMS = (
+    Claim("speculation", "Speculation in the engine",
+          "`bench/e2e.py`, greedy, bfloat16, drafting in process: tokens/s of plain decoding "
+          "and the speedup of SSSD trees over it in the same run (configurations taking turns "
+          "chunk by chunk), by batch size b.",
+          SPECULATION_HEADER, speculation_rows),
+    Claim("plain", "Plain decoding against vLLM's CPU build",
+          "`bench/engine_speed.py`: the engine's own forward pass without speculation, vLLM "
+          "0.32's CPU build and transformers' generate() on the same prompts, taking turns.",
+          PLAIN_HEADER, plain_rows),
+    Claim("drafters", "vLLM's drafters and ours",
+          "`bench/vllm_peers.py` in `.venv-vllm`: vLLM with its `ngram` and `suffix` methods "
+          "and with our drafter service (speedups over vLLM without speculation), and our "
+          "engine with SSSD trees (over its own plain decoding), greedy.",
+          DRAFTER_HEADER, drafter_rows),
+    Claim("http", "Every server under vLLM's benchmark client",
+          "`bench/http_peers.py`: `vllm bench serve` against each server's OpenAI API; output "
+          "tokens/s / median TPOT ms per server (ours-inproc: `sssd up`, drafting in its "
+          "decode worker; ours: through the drafter service; -off: speculation off).",
+          HTTP_HEADER, http_rows),
+    Claim("gpu", "On a GPU", "`bench/e2e.py --device cuda` on a lent GPU, as the CPU table.",
+          SPECULATION_HEADER, speculation_rows),
+)
+
+
+def render_report(current: dict[str, list[Source]]) -> str:
+    parts = []
+    for claim in CLAIMS:
+        rows = [row for source in current.get(claim.key, []) for row in claim.rows(source)]
+        if rows:
+            parts.append(f"### {claim.title}\n\n{claim.text}\n\n{table(claim.header, rows)}")
+    return "\n\n".join(parts)
+
+
+def render_headline(current: dict[str, list[Source]]) -> str:
+    return table(HEADLINE_HEADER, headline_rows(current))
+
+
+def replace_between(text: str, marker: str, body: str) -> str:
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    if begin not in text or end not in text:
+        raise SystemExit(f"the page has no {begin} ... {end} block")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{body}\n{end}{tail}"
+
+
+def pages(current: dict[str, list[Source]]) -> dict[str, str]:
+    """Each page's text with its generated block rewritten."""
+    bodies = {"report": render_report(current), "headline": render_headline(current)}
+    out = {}
+    for page, marker in PAGES.items():
+        body = bodies[marker]
+        if page == "README.md":  # the README's links start at the repository root
+            body = body.replace("../bench/results/", "bench/results/")
+        out[page] = replace_between((ROOT / page).read_text(), marker, body)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if a page differs from what the results files give")
+    args = parser.parse_args(argv)
+    stale = []
+    for page, text in pages(load_current()).items():
+        if (ROOT / page).read_text() != text:
+            stale.append(page)
+            if not args.check:
+                (ROOT / page).write_text(text)
+    if args.check and stale:
+        print(f"out of date: {', '.join(stale)} (run `python -m bench.report`)", file=sys.stderr)
+        sys.exit(1)
+    print("up to date" if args.check else f"rewrote {', '.join(stale) or 'nothing'}")
+
+
+if __name__ == "__main__":
+    main()
