@@ -39,13 +39,12 @@ from bench import flags
 from bench.draft_quality import accepted_path, add_answer_arguments, references
 from sssd.verifier.engine.budget_policy import (
     DEFAULT_ACCEPTANCE_PRIOR,
-    DEFAULT_BUDGETS,
     HINDSIGHT_EVERY,
     TIE_TOLERANCE,
     FixedBudget,
-    ForwardProfile,
     MeasuredBudget,
 )
+from sssd.verifier.engine.forward_profile import DEFAULT_BUDGETS, ForwardProfile
 
 
 def serve(drafter, pairs: list[tuple[list[int], list[int]]], policy, costs: dict[int, float],

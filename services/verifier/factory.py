@@ -18,16 +18,14 @@ from sssd.verifier.engine.budget_policy import (
     DEFAULT_ACCEPTANCE_PRIOR,
     BudgetPolicy,
     FixedBudget,
-    ForwardProfile,
     MeasuredBudget,
     RuleBudget,
     load_acceptance,
-    machine_load,
-    profile_forward,
-    profiled_batches,
 )
 from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.engine.engine import Engine
+from sssd.verifier.engine.forward_profile import ForwardProfile, profile_forward, profiled_batches
+from sssd.verifier.engine.machine_probe import machine_load
 from sssd.verifier.engine.model_runner import ModelRunner
 from sssd.verifier.proposers import make_proposer
 

@@ -8,12 +8,8 @@ import numpy as np
 import pytest
 
 from bench.policy_engine import PricedRun, after_warm_up, step_noise
-from sssd.verifier.engine.budget_policy import (
-    DEFAULT_BUDGETS,
-    FixedBudget,
-    ForwardProfile,
-    MeasuredBudget,
-)
+from sssd.verifier.engine.budget_policy import FixedBudget, MeasuredBudget
+from sssd.verifier.engine.forward_profile import DEFAULT_BUDGETS, ForwardProfile
 
 COSTS = {1: 10.0, 2: 11.0, 4: 12.0, 8: 14.0, 16: 18.0, 32: 30.0}
 DRAIN = {1: 5.0, 2: 6.0, 4: 7.0, 8: 8.0, 16: 9.0, 32: 10.0}

@@ -62,7 +62,7 @@ def test_a_profile_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet
     import json
 
     from sssd.verifier import factory
-    from sssd.verifier.engine.budget_policy import ForwardProfile
+    from sssd.verifier.engine.forward_profile import ForwardProfile
     from sssd.verifier.engine.model_runner import ModelRunner
 
     runner = ModelRunner(target_model_fp32.model, max_seqs=2, max_len=512)
@@ -94,7 +94,7 @@ def test_a_profile_of_another_processor_or_kernels_build_is_measured_again(
     import json
 
     from sssd.verifier import factory
-    from sssd.verifier.engine.budget_policy import ForwardProfile
+    from sssd.verifier.engine.forward_profile import ForwardProfile
     from sssd.verifier.engine.model_runner import ModelRunner
 
     monkeypatch.setattr(factory, "machine_load", lambda: (0.1, 2, False))

@@ -1,10 +1,12 @@
 """Choosing the speculation budget s_q for the current batch size (docs/architecture.md).
 
+- `FixedBudget`: always the same budget (1: plain decoding).
 - `RuleBudget`: the paper's rule, s_q = I_knee / b, capped ("SSSD: Simply-Scalable Speculative
   Decoding", arXiv 2411.05894, Section 3.2).
-- `MeasuredBudget`: profiles the forward-pass time t(b, s_q) of the actual model on the actual
-  device, tracks the accepted tokens per step for each budget online, and picks the s_q that
-  maximizes E[emitted tokens | s_q] / t(b, s_q).
+- `MeasuredBudget`: the s_q that maximizes E[emitted tokens | s_q] / t(b, s_q), with t from the
+  forward profile (forward_profile.py) corrected by the steps it observes, and E learned online.
+
+The measurements behind the constants below are in bench/results/ (the folders named).
 """
 
 from __future__ import annotations
@@ -15,48 +17,31 @@ import os
 import statistics
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Hashable, Sequence
+from typing import Protocol
 
-import numpy as np
-
-from sssd.common.drafting.draft_tree import DraftTree
-from sssd.common.model.device import synchronize
 from sssd.verifier.engine.budget_rule import speculation_budget
-
-if TYPE_CHECKING:
-    from sssd.verifier.engine.model_runner import ModelRunner
+from sssd.verifier.engine.forward_profile import ForwardProfile, write_json
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUDGETS = (1, 2, 4, 8, 16, 32)
-# Draft tokens accepted per step at each budget, the measured policy's prior before it has seen
-# a step of its own: SSSD on the ShareGPT datastore the main job builds, replaying
-# SmolLM2-135M's greedy answers to MT-Bench (`python bench/draft_quality.py --sets mt_bench
-# --budgets 2,4,8,16,32`: 0.433, 0.825, 1.101, 1.306, 1.459), rounded down.
+# Draft tokens accepted per step at each budget before the policy has seen a step of its own:
+# SSSD on the ShareGPT datastore the main job builds, replaying SmolLM2-135M's greedy answers to
+# MT-Bench (`bench/draft_quality.py --sets mt_bench`), rounded down.
 DEFAULT_ACCEPTANCE_PRIOR = {1: 0.0, 2: 0.43, 4: 0.82, 8: 1.1, 16: 1.3, 32: 1.45}
 PRIOR_WEIGHT = 8  # the prior counts as this many observed rows (one sequence's tree of a step)
 PROFILE_WEIGHT = 8  # a profiled step time counts as this many observed ones
 # A sequence's own acceptance estimate starts from the global one, worth ROW_PRIOR_WEIGHT of its
-# steps, and then moves ROW_DECAY of the way to each of its own steps (MeasuredBudget's
-# `row_decay`); at most MAX_ROWS sequences are remembered (the least recently seen are dropped).
-# 0.05, a memory of about 20 of its steps, not 10 (0.1): with 10 a sequence's few poor steps
-# sent it to budgets below the best more often than its later steps bore out. Side by side in
-# the engine, every step priced from one cost table (bench/policy_engine.py, SmolLM2-135M,
-# 16 prompts, medians over 3-4 orders of them), the measured policy over the best fixed budget
-# went 0.980 -> 0.989 (code) and 0.966 -> 0.978 (MT-Bench) at b = 1 (3 orders, the bench's
-# policy learning from priced steps only), 1.003 -> 0.994 and 0.976 -> 0.986 at b = 4 (4 orders,
-# a run that let the engine's warm-up leave real step times in it); by replay
-# (bench/policy_replay.py, 6 seeds) Qwen2.5-Coder-1.5B at b = 1 moved by less than half a
-# point either way.
+# steps, then moves ROW_DECAY of the way to each of its own steps: a memory of about 20 steps,
+# long enough that a few poor steps do not send a sequence below its best budget
+# (bench/results/2026-11-30-xeon-7). At most MAX_ROWS sequences are remembered, the least
+# recently seen dropped first.
 ROW_PRIOR_WEIGHT = 4
 ROW_DECAY = 0.05
 MAX_ROWS = 1024
-# A next budget this far below the best rate is explored FAR_EXPLORE_FACTOR times more rarely,
-# once it has settled (RECENT_STEPS steps; one never run is priced by the profile): on fewer,
-# a burst of slow steps of a shared machine can be most of what it was timed on (three slow
-# steps among a budget's first four priced it at 3x and kept it out for hundreds of steps in
-# the unit tests' simulation).
+# A settled next budget more than FAR_BEHIND below the best rate is explored FAR_EXPLORE_FACTOR
+# times more rarely. Not before it has settled (RECENT_STEPS steps): on fewer, a burst of slow
+# steps of a shared machine can be most of what it was timed on.
 FAR_BEHIND = 0.2
 FAR_EXPLORE_FACTOR = 8
 # A (batch size, budget)'s step time is the median of its last RECENT_STEPS observed steps once
@@ -64,19 +49,12 @@ FAR_EXPLORE_FACTOR = 8
 # moves it within a few steps.
 CALIBRATION_STEPS = 3
 RECENT_STEPS = 9
-# A settled (batch size, budget) that is not what sets the pace is timed again against it at
-# every step it runs: its estimate moves RETIME_RATE of the way (in logarithms) to what the step
-# says, the step's time over its estimate times the pace of its moment, that word capped at
-# RETIME_CLIP either way, so a step moves it by 4.9 % at most. It was settled in a slow spell of
-# a shared machine, or a fast one, that the budget setting the pace did not share, and a dozen
-# of its steps bring it back. Before, the median of its last 3 steps rescaled it whenever it
-# was 10 % off: that median of a shared machine's steps scatters by about as much (SmolLM2-135M
-# on the 2-core Xeon: single steps 9-11 % about their median, in logarithms), so estimates
-# jumped on noise (16 over 8 priced at 0.98-1.37, truly 1.09), and two slow steps in three
-# priced budget 16 at twice its cost, after which it was explored as a clear loser, rarely
-# (`bench/policy_engine.py --step-noise ... --noise-block 25`, MT-Bench, an order at 0.953 of
-# the best fixed budget). A capped step is a robust mean: the steps' slow tail lifts it by
-# half a percent where a plain mean of their logarithms is lifted by 1.5 %.
+# A settled (batch size, budget) that does not set the pace is re-timed against the pace at each
+# of its steps: its estimate moves RETIME_RATE of the way (in logarithms) to what the step says,
+# that word capped at RETIME_CLIP either way (4.9 % at most a step). It may have settled in a
+# slow or fast spell that the budget setting the pace did not share; a capped step is a robust
+# mean of a shared machine's skewed step times, where a median of a few steps jumps on noise
+# (bench/results/2026-12-01-xeon-9).
 RETIME_RATE = 0.5
 RETIME_CLIP = 1.1
 # Once trees have run, a budget not yet calibrated at a batch size is assumed to cost at least its
@@ -85,28 +63,21 @@ RETIME_CLIP = 1.1
 PROFILE_AGREES = 0.15
 CALIBRATED_EXPLORE_FACTOR = 4  # a calibrated neighbour is explored this much more rarely
 SAME_COST = 1.02  # step times within 2 % count as the same cost
-TIE_TOLERANCE = 0.01  # rates within 1 % of the best count as a near-tie (see MeasuredBudget)
+# Rates within 1 % of the best count as a near-tie, which goes to the smaller budget: a step
+# decided by the tolerance may give up as much rate as the tolerance (3 % ran budget 8 on a
+# third of the steps where 16 was best by 4-5 %; bench/results/2026-11-30-xeon-3).
+TIE_TOLERANCE = 0.01
 # How fast the machine runs now against when the step times were learned (the pace): the median,
 # over the last PACE_STEPS steps at settled (b, s)s, of each step's time over its (b, s)'s
-# settled estimate. A (b, s) settles once it has RECENT_STEPS steps: its estimate is then kept,
-# in the units of the pace it was learned at, and only the pace moves. A shared machine's slow
-# spells then slow every budget's estimate alike, instead of pricing whichever budget happened
-# to be timed during one; and since the budget setting the pace never moves its settled
-# estimate (only the others are re-timed, RETIME_RATE), a long stretch at one budget cannot trade
-# its estimate against the pace (both free, the two drifted apart: the
-# plain step priced ever cheaper against every tree).
-# Steps at a (b, s) not yet settled are divided by the pace of their moment, which only settled
-# steps move: so such a step never follows another (the settled budget with the best rate runs
-# between them), and the pace is the median of 5 steps, not 9, which lagged a spell of 10 steps
-# by most of it. Else a budget chosen step after step while it settled was divided by a pace
-# left over from a spell that had ended (the unit tests' simulation, spells of 25 steps: budget
-# 2 settled at 0.7 of its cost and served 94 steps against the better 4, at 0.91 of the best
-# fixed budget; 0.98 since).
+# settled estimate. A settled estimate is kept in the units of the pace it was learned at and
+# only the pace moves, so a slow spell slows every budget's estimate alike instead of pricing
+# whichever budget was timed during it; the budget setting the pace never moves its own
+# estimate, so the two cannot drift apart. Steps at a (b, s) not yet settled are divided by the
+# pace of their moment, which only settled steps move; 5 steps, not 9, so the pace follows a
+# spell of 10 steps instead of lagging it.
 PACE_STEPS = 5
 PLAIN_HINDSIGHT_FACTOR = 4  # hindsight trees at budget 1 come this much more rarely
 HINDSIGHT_EVERY = 4  # every this many-th drafter call drafts the largest tree (MeasuredBudget)
-DEFAULT_BATCHES = (1, 2, 4, 8)
-PROFILE_CONTEXT = 256  # cached tokens per sequence while profiling the forward pass
 
 
 class BudgetPolicy(Protocol):
@@ -170,160 +141,50 @@ class RuleBudget(_NoHindsight):
         pass
 
 
-class ForwardProfile:
-    """t(b, s_q) in seconds on a grid; interpolated in b, looked up in s_q."""
-
-    def __init__(self, batches: Sequence[int], budgets: Sequence[int], seconds: np.ndarray,
-                 busy: bool = False) -> None:
-        """`busy`: measured while other work ran on the machine (its times are too slow, and
-        not evenly so): a later start on a quiet machine measures again."""
-        self.batches = list(batches)
-        self.budgets = list(budgets)
-        self.seconds = np.asarray(seconds, dtype=np.float64)  # [num_batches, num_budgets]
-        self.busy = busy
-        self._times: dict[tuple[int, int], float] = {}
-
-    def time(self, batch_size: int, budget_index: int) -> float:
-        key = (batch_size, budget_index)
-        seconds = self._times.get(key)
-        if seconds is None:  # a policy asks every step: interpolate once per cell
-            seconds = self._times[key] = float(
-                np.interp(batch_size, self.batches, self.seconds[:, budget_index]))
-        return seconds
-
-    @classmethod
-    def measure(cls, forward: Callable[[int, int], float], batches: Sequence[int] = DEFAULT_BATCHES,
-                budgets: Sequence[int] = DEFAULT_BUDGETS, rounds: int = 5) -> "ForwardProfile":
-        """`forward(b, s)` runs one verification forward and returns its duration in seconds.
-
-        Every (b, s) is timed once per round, rounds one after another, and the median is kept:
-        a slow spell of a shared machine then spreads over all cells instead of spoiling some.
-        A larger budget never costs less (more rows through the same layers), so the medians are
-        made non-decreasing in s, which removes the remaining inversions from noise.
-        """
-        cells = [(i, j) for i in range(len(batches)) for j in range(len(budgets))]
-        for i, j in cells:
-            forward(batches[i], budgets[j])  # warm-up
-        samples = np.zeros((rounds, len(batches), len(budgets)))
-        for r in range(rounds):
-            for i, j in cells:
-                samples[r, i, j] = forward(batches[i], budgets[j])
-        seconds = np.maximum.accumulate(np.median(samples, axis=0), axis=1)
-        return cls(batches, budgets, seconds)
-
-    def save(self, path: str | os.PathLike, setting: dict | None = None) -> None:
-        """Writes the profile atomically; `setting` says what it was measured with (model,
-        dtype, threads), so that `load` can refuse it for another."""
-        _write_json(path, {"batches": self.batches, "budgets": self.budgets,
-                           "seconds": self.seconds.tolist(), "measured_at": time.time(),
-                           "busy": self.busy, "setting": setting or {}})
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, setting: dict | None = None) -> "ForwardProfile | None":
-        """The saved profile, or None when there is none or it was measured with another
-        setting."""
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-        except FileNotFoundError:
-            return None
-        if setting is not None and raw.get("setting") != setting:
-            logger.info("forward profile %s was measured with %s, not %s: measuring again",
-                        path, raw.get("setting"), setting)
-            return None
-        return cls(raw["batches"], raw["budgets"], np.asarray(raw["seconds"]),
-                   busy=bool(raw.get("busy", False)))
-
-
-def _write_json(path: str | os.PathLike, payload: dict) -> None:
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "w") as f:
-        json.dump(payload, f)
-    os.replace(temporary, path)
-
-
 class MeasuredBudget:
-    """argmax over s_q of E[emitted tokens | s_q] / t(b, s_q), E learned online.
+    """argmax over s_q of E[emitted tokens | s_q] / t(b, s_q), both learned online.
 
-    E[emitted | s_q] = 1 + E[accepted | s_q]. One verified tree of budget B also tells what every
-    smaller budget s would have accepted: the drafter inserts nodes best-first (docs/algorithm.md,
-    "Output"), so the tree of budget s is exactly the first s nodes of the tree of budget B, and
-    the accepted path cut at its first node with index >= s is what that tree would have kept
-    (node indices grow along a path, parents before children). So every step updates the
-    estimate of all budgets up to its own, with an exponential moving average per budget of
-    what it accepts beyond the next smaller budget; a budget's estimate is the sum of those up
-    to it. Estimates learned apart ranked budgets by when they were last run: a sequence at
-    budget 8 learned 8 from every step and 16 only from its hindsight trees, so after a good
-    spell 8's estimate could stand above 16's (Qwen2.5-Coder-1.5B, MT-Bench at b = 1: 8 at
-    1.39 tokens, 16 at 1.0), which no tree can do.
+    Acceptance. E[emitted | s_q] = 1 + E[accepted | s_q]. The drafter inserts nodes best-first
+    (docs/algorithm.md, "Output"), so the tree of budget s is the first s nodes of a tree of
+    budget B > s, and the accepted path cut at its first node with index >= s is what that tree
+    would have kept (node indices grow along a path). So every step teaches every budget up to
+    its own: each budget keeps a moving average of what it accepts beyond the next smaller
+    budget, and a budget's estimate is the sum of those up to it, so a larger budget never
+    looks worse than a smaller one for having been run less often. With row keys
+    (`budget(b, rows)`, `observe(..., rows)`) each sequence keeps its own averages, started from
+    the global ones (worth ROW_PRIOR_WEIGHT of its steps, then `row_decay` a step), and a step's
+    expectation is the mean over its rows. The global estimates start from a prior (what
+    `save_stats` kept from an earlier run, else DEFAULT_ACCEPTANCE_PRIOR, worth PRIOR_WEIGHT
+    rows), so a fresh server speculates from its first step; without a prior the first step
+    runs at the largest budget, which measures all of them at once.
 
-    Step times start from the profile, which was measured on one synthetic context length and
-    times the forward pass alone, worth PROFILE_WEIGHT steps; the step times the engine observes
-    at (b, s_q), drafting and acceptance included, move them as a running mean, and from the
-    CALIBRATION_STEPS-th step on the median of the last RECENT_STEPS replaces the profile's.
-    (A profile is reused across starts, may have been taken on a busy machine, and a step costs
-    more than its forward pass: a budget's true cost is known only once it ran.) Observed steps
-    are divided by the pace (how much slower the machine runs now than when the estimates were
-    learned), and a (b, s_q) with RECENT_STEPS steps settles: its estimate is kept and its
-    later steps move only the pace, the median of the last steps' ratios to their settled
-    estimates; except that a budget run now and then, not the one setting the pace, is
-    moved a little at every step towards what its steps say against the pace (RETIME_RATE):
-    it may have settled in a slow or fast spell.
+    Budgets above the one in use are learned in hindsight where the proposer allows it: every
+    `hindsight_every`-th step drafts at the largest budget, verifies the first `budget` nodes
+    and scores the rest against the tokens the sequence goes on to emit (hindsight.py), at the
+    cost of a drafter call instead of a larger forward pass. Until the first score arrives (and
+    always for other proposers) they are learned by exploration: every `explore_every`-th step
+    runs the next larger budget than the best (FAR_EXPLORE_FACTOR times more rarely while that
+    one is settled and FAR_BEHIND behind). With hindsight, what is left to learn is what the
+    neighbouring budgets' steps cost: the next smaller budget is explored on that schedule
+    (down to budget 1, the fallback) and the next larger one half as often.
 
-    A wrong profile must not keep a budget out for long. A step's cost does not fall as its
-    budget grows, so a budget costs at most what a larger budget was measured to cost at this
-    batch size (its estimate is capped there), and at least what the largest smaller budget
-    observed costs: a budget with fewer than CALIBRATION_STEPS observed steps whose rate at that
-    lower bound would beat the best is run (the smallest such first) until it has them. A
-    profile that overprices budgets (one taken while the machine was busy) is thus corrected
-    within a few dozen steps, at a bounded cost: each (b, s_q) is calibrated at most
-    CALIBRATION_STEPS times. What the steps showed of the profile tightens that bound and the
-    estimate: a (b, s_q) not yet observed is priced at its profiled time times what the profile
-    was off by for the same budget where it was calibrated (at the nearest batch size), and
-    once a tree has run, at any batch size, a budget not yet calibrated costs at least that (or
-    its profiled time times the median observed-to-profiled ratio of the trees' (batch size,
-    budget)s so far) less PROFILE_AGREES, or the floor if more. A profile taken on a busy machine is
-    thus rescaled by its first trees, and a profile the steps confirm is not second-guessed:
-    a budget it prices at six plain steps (a tree of 32 in float32 on a CPU) is not run to find
-    out what it already said (measured on Qwen2.5-Coder-1.5B in float32 at b = 4, 50 steps: one
-    calibration step at budget 32 cost 2.0 s, against 0.35 s for the best budget's), and a batch
-    size first met as a batch drains is not calibrated afresh at every large budget (SmolLM2 in
-    bfloat16 at b = 8 spent 59 of 359 steps calibrating at b = 1 to 8 before).
+    Step times. A (b, s_q) starts from the profile (worth PROFILE_WEIGHT steps); the engine's
+    observed steps, drafting and acceptance included, replace it by the median of the last
+    RECENT_STEPS from the CALIBRATION_STEPS-th step on. Observed steps are divided by the pace
+    (PACE_STEPS), and a (b, s_q) with RECENT_STEPS steps settles (RETIME_RATE). A wrong profile
+    must not keep a budget out for long: a budget costs at most what a larger budget was
+    measured to cost at this batch size, and at least what the largest smaller budget observed
+    costs; a budget not yet calibrated whose rate at that lower bound would beat the best is run
+    until it is (`_to_calibrate`), so a profile taken on a busy machine is corrected within a
+    few dozen steps, each (b, s_q) calibrated at most CALIBRATION_STEPS times. A (b, s_q) not
+    yet observed is priced at its profiled time times what the profile was off by for the same
+    budget at the nearest calibrated batch size, and once trees have run no lower than
+    PROFILE_AGREES below the trees' median ratio: a profile the steps confirm is not
+    second-guessed at budgets it prices far out.
 
-    Acceptance is a sequence's, and a batch's is that of the sequences in it: with row keys
-    (`budget(b, rows)`, `observe(..., rows)`), each sequence keeps its own moving average per
-    budget, started from the global one (worth ROW_PRIOR_WEIGHT of its steps, then `row_decay`,
-    ROW_DECAY by default, a step), and a step's expectation is the mean over its rows; the
-    global estimate is still learned from every row, is a new sequence's start, and is what
-    `save_stats` keeps.
-
-    The estimates start from a prior (acceptance statistics saved by an earlier run, else
-    DEFAULT_ACCEPTANCE_PRIOR), which counts as PRIOR_WEIGHT rows: a fresh server speculates
-    from its first step and learns its own acceptance from there. Without a prior the first step
-    runs at the largest budget (measuring all of them at once).
-
-    Larger budgets than the one in use are learned in hindsight where the proposer allows it:
-    every `hindsight_every`-th step drafts at the largest budget, verifies only the first
-    `budget` nodes, and scores the rest against the tokens the sequence goes on to emit
-    (`hindsight.py`), at the cost of a drafter call instead of a larger forward pass. Until the
-    first such score arrives (and always for other proposers) they are learned by exploration:
-    every `explore_every`-th step runs at the next larger budget than the best, or every
-    FAR_EXPLORE_FACTOR * `explore_every`-th step while that budget's estimated rate is more than
-    FAR_BEHIND below the best's and it has settled. With hindsight, acceptance is known for
-    every budget, and what is left to learn is what the neighbouring budgets' steps really
-    cost: the next smaller budget is explored on that schedule (down to budget 1, the fallback,
-    whose profiled time may be off by as much as speculation gains at a large batch) and the
-    next larger one half as often; so is the next smaller one while the best is the largest
-    budget, beyond which no tree is drafted and no score ever comes. Near-ties (rates within
-    `tie_tolerance`) go to the smaller budget: it costs less drafting and cache room for
-    nothing. The tolerance is small because a step decided by it
-    may give up as much rate as the tolerance: at 0.03 a tree of 8 won over 16 whenever a row's
-    recent estimates put 16 less than 3 % ahead, and on Qwen2.5-Coder-1.5B at b = 1, where 16
-    is the best fixed budget by 4-5 %, the policy ran 8 on a third of its steps; by replay
-    (`bench/policy_replay.py --tie-tolerance`, two cost tables, code and MT-Bench) 0.01 was at
-    least as close to the best fixed budget in all four cases (medians 0.957-0.973 at 0.03,
-    0.972-0.980 at 0.01). `save_stats` writes the estimates, to be the next start's prior (a
-    serving loop's observer calls it; the step never touches the disk).
+    Near-ties (rates within `tie_tolerance`) go to the smaller budget: it costs less drafting
+    and cache room for nothing. The step never touches the disk: a serving loop's observer calls
+    `save_stats`, whose estimates are the next start's prior.
     """
 
     def __init__(self, profile: ForwardProfile, max_budget: int, decay: float = 0.05,
@@ -474,11 +335,9 @@ class MeasuredBudget:
         cost rescaled by the trees' median ratio less PROFILE_AGREES if that is more. A budget
         below every one observed here has no floor; where its estimate was `capped` (the
         profile prices it above what a larger budget was measured to cost, so the profile is
-        off there), the rescaled profile alone bounds it. Else a profile taken under load, which
-        prices every budget alike too high, kept the policy at the first budget it timed and
-        above: a smaller budget, capped at that one's measured cost, never beat it and was
-        never timed (Qwen2.5-Coder-1.5B by replay, `bench/policy_replay.py`: budget 32 on 1,469
-        of 1,471 steps, 0.82x the best fixed budget)."""
+        off there), the rescaled profile alone bounds it: a profile taken under load prices
+        every budget alike too high, and a smaller budget capped at a larger one's measured
+        cost would otherwise never beat it and never be timed."""
         floor = None  # the estimated cost of the largest smaller budget observed so far
         for (j, s), t, is_capped in zip(self.candidates, seconds, capped):
             observed = self._num_observed(batch_size, s)
@@ -570,8 +429,7 @@ class MeasuredBudget:
         if not self.hindsight_every or budget >= largest or self._is_timing_step:
             return budget
         self._num_draft_calls += 1
-        # At budget 1 the step calls no proposer: a hindsight tree is a whole drafter call
-        # (a millisecond or more, beside a plain step of 7-15 ms for SmolLM2 on 2 cores), not
+        # At budget 1 the step calls no proposer: a hindsight tree is a whole drafter call, not
         # a larger one of a call made anyway, so it comes PLAIN_HINDSIGHT_FACTOR times as rarely.
         every = self.hindsight_every * (PLAIN_HINDSIGHT_FACTOR if budget == 1 else 1)
         return largest if self._num_draft_calls % every == 0 else budget
@@ -637,9 +495,7 @@ class MeasuredBudget:
         # as 8 steps of one, so a large batch does not serve dozens of steps at a prior's
         # budget that its own trees already contradict. Then a moving average over steps, each
         # step's mean one observation: a batch's acceptance changes as its prompts come and go,
-        # not row by row, and a memory of 1 / decay rows (2.5 steps at b = 8) chased the
-        # noise of a few rows (SmolLM2 at b = 8 served 25 of 180 steps without speculation
-        # and 16 at a budget of 4, against a budget of 2 that gets 1.24x).
+        # not row by row, and a memory counted in rows would chase the noise of a few rows.
         num_rows = len(accepted_nodes)
         self._weights[s] += num_rows
         rate = max(self.decay, num_rows / self._weights[s])
@@ -648,7 +504,7 @@ class MeasuredBudget:
 
     def save_stats(self, path: str | os.PathLike) -> None:
         """The acceptance estimates, as the prior of a later start (`load_acceptance`)."""
-        _write_json(path, {"expected_accepted": {str(s): v for s, v
+        write_json(path, {"expected_accepted": {str(s): v for s, v
                                                  in self.expected_accepted.items()
                                                  if v is not None},
                            "saved_at": time.time()})
@@ -676,56 +532,3 @@ def load_acceptance(path: str | os.PathLike) -> dict[int, float] | None:
         return None
 
 
-def _busy_jiffies() -> tuple[int, int]:
-    """CPU time spent so far, in clock ticks: the whole machine's (all but idle and iowait) and
-    this process's own (user and system)."""
-    with open("/proc/stat") as f:
-        ticks = [int(field) for field in f.readline().split()[1:9]]
-    with open("/proc/self/stat") as f:
-        own = f.read().rsplit(")", 1)[1].split()  # fields from the 3rd on: state, ppid, ...
-    return sum(ticks) - ticks[3] - ticks[4], int(own[11]) + int(own[12])
-
-
-def machine_load(window_s: float = 0.3) -> tuple[float, int, bool]:
-    """How many cores other processes keep busy, measured over `window_s`; the cores; and
-    whether the machine counts as busy for profiling (others on more than half the cores: they
-    take cores from the forward pass). This process's own work is left out: the load average
-    counts it, and a start that has just loaded and converted a model (a minute of both cores
-    for Qwen2.5-Coder-1.5B) would call every profile busy. Where /proc is missing, the
-    one-minute load average."""
-    cores = os.cpu_count() or 1
-    try:
-        busy, own = _busy_jiffies()
-        time.sleep(window_s)
-        busy_after, own_after = _busy_jiffies()
-        others = max(0.0, (busy_after - busy) - (own_after - own)) / \
-            os.sysconf("SC_CLK_TCK") / window_s
-    except (OSError, ValueError, IndexError):
-        others = os.getloadavg()[0]
-    return others, cores, others > 0.5 * cores
-
-
-def profiled_batches(max_batch_size: int) -> list[int]:
-    """The batch sizes a profile for `max_batch_size` KV slots measures."""
-    return [b for b in (1, 2, 4, 8, 16, 32) if b <= max_batch_size]
-
-
-def profile_forward(runner: "ModelRunner", max_batch_size: int) -> ForwardProfile:
-    """Times verification forwards of b sequences x s_q nodes on this model and device.
-
-    Fills slots [0, max_batch_size) with a synthetic context; nothing is committed, so the
-    runner is left as it was, apart from those slots' contents."""
-    context = max(1, min(PROFILE_CONTEXT, runner.max_len - max(DEFAULT_BUDGETS) - 1))
-    prompt = list(range(100, 100 + context))
-    for slot in range(max_batch_size):
-        runner.prefill(slot, prompt)
-
-    def forward(batch_size: int, budget: int) -> float:
-        tree = DraftTree(np.arange(200, 200 + budget, dtype=np.int32),
-                         np.arange(-1, budget - 1, dtype=np.int32))
-        start = time.perf_counter()
-        runner.verify([tree] * batch_size)  # nothing is committed: the cache stays as it was
-        synchronize(runner.device)  # a GPU pass has only been queued
-        return time.perf_counter() - start
-
-    return ForwardProfile.measure(forward, batches=profiled_batches(max_batch_size))

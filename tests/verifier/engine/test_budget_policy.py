@@ -5,13 +5,12 @@ import pytest
 
 from sssd.verifier.engine.budget_policy import (
     DEFAULT_ACCEPTANCE_PRIOR,
-    DEFAULT_BUDGETS,
     RECENT_STEPS,
     FixedBudget,
-    ForwardProfile,
     MeasuredBudget,
     RuleBudget,
 )
+from sssd.verifier.engine.forward_profile import DEFAULT_BUDGETS, ForwardProfile
 
 
 def flat_then_linear_profile():
@@ -593,7 +592,7 @@ def test_a_busy_machine_is_other_processes_work_not_this_ones():
     import threading
     import time
 
-    from sssd.verifier.engine.budget_policy import machine_load
+    from sssd.verifier.engine.machine_probe import machine_load
 
     def spin_one_core():
         end = time.monotonic() + 1.0

@@ -7,7 +7,8 @@ float32 so that numerical near-ties cannot hide a bug.
 import numpy as np
 import pytest
 
-from sssd.verifier.engine.budget_policy import ForwardProfile, MeasuredBudget
+from sssd.verifier.engine.budget_policy import MeasuredBudget
+from sssd.verifier.engine.forward_profile import ForwardProfile
 
 
 def measured_policy():

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from sssd.common.drafting.draft_tree import DraftTree
-from sssd.verifier.engine.budget_policy import FixedBudget, ForwardProfile, MeasuredBudget
+from sssd.verifier.engine.budget_policy import FixedBudget, MeasuredBudget
+from sssd.verifier.engine.forward_profile import ForwardProfile
 from sssd.verifier.engine.hindsight import MAX_PENDING_GROUPS, HindsightTracker
 
 

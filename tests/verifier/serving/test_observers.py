@@ -5,10 +5,10 @@ import pytest
 
 from sssd.verifier.engine.budget_policy import (
     DEFAULT_ACCEPTANCE_PRIOR,
-    ForwardProfile,
     MeasuredBudget,
     load_acceptance,
 )
+from sssd.verifier.engine.forward_profile import ForwardProfile
 from sssd.verifier.engine.output import StepOutput
 from sssd.verifier.serving.observers import SAVE_EVERY, AcceptanceSaver
 
