@@ -11,5 +11,9 @@
     ray_workers.py  prefill and decode workers (Ray actors)
     ray_backend.py  `RayBackend`: prefill/decode disaggregation behind the Backend protocol
     config.py       FrontendConfig, RayConfig
-    frontend.py     the gRPC servicer of proto/sssd/v1/generate.proto
+    frontend.py     the gRPC servicer of proto/sssd/v1/generate.proto, and the process that
+                    serves it beside the HTTP API
+    http_api/       the OpenAI-compatible HTTP API (schema, responses, endpoints, server)
+    api_metrics.py  the HTTP API's Prometheus metrics, under vLLM's names too
+    placement.py    how many prefill and decode workers a machine's cores take
 """

@@ -37,7 +37,7 @@ from sssd.verifier.serving.api_metrics import ApiMetrics
 from sssd.verifier.serving.backend import Backend, StreamEvent
 from sssd.verifier.serving.config import FrontendConfig
 from sssd.verifier.serving.errors import ErrorKind, ServingError
-from sssd.verifier.serving.openai_api import HttpServer, OpenAIApi
+from sssd.verifier.serving.http_api import HttpServer, OpenAIApi
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,267 @@
+"""The HTTP API's endpoints on one backend: generation (whole or streamed), the model list,
+health, metrics, tokenize and detokenize. A client that disconnects cancels its request: its KV
+blocks and drafter sequence are freed at once."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import queue
+import time
+from collections.abc import AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from sssd.verifier.engine.request import InvalidRequest
+from sssd.verifier.serving.api_metrics import CONTENT_TYPE, ApiMetrics, RequestTracker
+from sssd.verifier.serving.backend import Backend, RequestHandle, StreamEvent
+from sssd.verifier.serving.errors import ServingError
+from sssd.verifier.serving.http_api.responses import Answer, EventStream, sse
+from sssd.verifier.serving.http_api.schema import (
+    MAX_BODY_BYTES,
+    STATUS_OF_KIND,
+    ApiError,
+    RequestParser,
+    boolean,
+    chat_messages,
+    field_of,
+    refuse_unknown,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIApi:
+    """The HTTP API's handlers; `attach` a backend and tokenizer to serve."""
+
+    def __init__(self, model_name: str, max_model_len: int, max_tokens_limit: int,
+                 default_max_tokens: int, max_workers: int,
+                 metrics: ApiMetrics | None = None) -> None:
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.max_tokens_limit = max_tokens_limit
+        self.default_max_tokens = default_max_tokens
+        self.parser: RequestParser | None = None  # with the tokenizer, once attached
+        self.metrics = metrics or ApiMetrics(model_name)
+        self.backend: Backend | None = None
+        self.state = "loading"  # loading, serving, draining
+        self.created = int(time.time())
+        # Blocking reads of the backend's event queues, one per live request at a time.
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers,
+                                                           thread_name_prefix="http-events")
+        self.app = Starlette(routes=[
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.export_metrics, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+        ], exception_handlers={404: self._not_found, 405: self._not_allowed,
+                               Exception: self._internal})
+
+    def attach(self, backend: Backend, tokenizer) -> None:
+        self.parser = RequestParser(self.model_name, tokenizer, self.max_tokens_limit,
+                                    self.default_max_tokens)
+        self.backend = backend
+        self.state = "serving"
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- plain endpoints ----------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created,
+            "owned_by": "sssd-serve", "root": self.model_name, "parent": None,
+            "max_model_len": self.max_model_len}]})
+
+    async def health(self, request: Request) -> Response:
+        if self.state == "serving":
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": self.state}, status_code=503)
+
+    async def export_metrics(self, request: Request) -> Response:
+        return Response(self.metrics.export(), media_type=CONTENT_TYPE)
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            body = await self._body(request)
+            parser = self._serving().parser
+            refuse_unknown(body, {"model", "prompt", "messages", "add_special_tokens",
+                                  "add_generation_prompt"})
+            parser.check_model(body)
+            if ("prompt" in body) == ("messages" in body):
+                raise ApiError(400, "set exactly one of prompt and messages", "prompt")
+            if "prompt" in body:
+                if not isinstance(body["prompt"], str):
+                    raise ApiError(400, "prompt: must be a string", "prompt")
+                special = boolean(body, "add_special_tokens", True)
+                tokens = list(parser.tokenizer.encode(body["prompt"],
+                                                      add_special_tokens=special))
+            else:
+                tokens = parser.chat_ids(chat_messages(body["messages"]),
+                                         boolean(body, "add_generation_prompt", True))
+        except ApiError as exc:
+            return exc.response()
+        return JSONResponse({"count": len(tokens), "max_model_len": self.max_model_len,
+                             "tokens": tokens})
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            body = await self._body(request)
+            parser = self._serving().parser
+            refuse_unknown(body, {"model", "tokens"})
+            parser.check_model(body)
+            tokens = parser.token_ids(body.get("tokens"))
+        except ApiError as exc:
+            return exc.response()
+        return JSONResponse({"prompt": parser.tokenizer.decode(tokens)})
+
+    # --- generation ---------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, http: Request, chat: bool) -> Response:
+        prompt_field = "messages" if chat else "prompt"
+        try:
+            body = await self._body(http)
+            backend = self._serving().backend
+            # Tokenizing (a chat template, up to 4 MiB of text) off the event loop, so other
+            # streams are not held up behind it.
+            parsed = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self.parser.parse, body, chat)
+            try:
+                handle = backend.submit(parsed.request)
+            except InvalidRequest as exc:
+                raise ApiError(400, str(exc), field_of(str(exc), prompt_field)) from None
+            except ServingError as exc:
+                self.metrics.refused_request(exc.kind.value)
+                raise ApiError(STATUS_OF_KIND[exc.kind], str(exc), code=exc.kind.value) \
+                    from None
+        except ApiError as exc:
+            return exc.response()
+        tracker = self.metrics.track(handle.num_prompt_tokens)
+        answer = Answer(chat, self.model_name, parsed, handle)
+        if parsed.stream:
+            return EventStream(self._stream(handle, answer, tracker),
+                               on_close=lambda: self._end(handle, tracker))
+        watcher = asyncio.create_task(_watch_disconnect(
+            http, lambda: self._end(handle, tracker)))
+        try:
+            error = None
+            async for event in self._events(handle):
+                tracker.event(event)
+                answer.add(event)
+                if event.error is not None:
+                    error = event.error
+            if error is not None:
+                return ApiError(STATUS_OF_KIND[error.kind], error.message,
+                                code=error.kind.value).response()
+            return JSONResponse(answer.whole())
+        finally:
+            watcher.cancel()
+            self._end(handle, tracker)
+
+    async def _stream(self, handle: RequestHandle, answer: Answer,
+                      tracker: RequestTracker) -> AsyncIterator[bytes]:
+        for chunk in answer.opening():
+            yield sse(chunk)
+        async for event in self._events(handle):
+            tracker.event(event)
+            if event.error is not None:
+                error = ApiError(STATUS_OF_KIND[event.error.kind], event.error.message,
+                                 code=event.error.kind.value)
+                yield sse(error.body())
+                break
+            for chunk in answer.chunks(event):
+                yield sse(chunk)
+        yield b"data: [DONE]\n\n"
+
+    async def _events(self, handle: RequestHandle) -> AsyncIterator[StreamEvent]:
+        """The request's events until its last one."""
+        loop = asyncio.get_running_loop()
+        while True:
+            event = await loop.run_in_executor(self._pool, _next_event, handle.events)
+            if event is None:
+                continue
+            yield event
+            if event.totals is not None or event.error is not None:
+                return
+
+    def _end(self, handle: RequestHandle, tracker: RequestTracker) -> None:
+        """After the response, however it ended (the client gone included): frees the request
+        if it still runs."""
+        if not tracker.is_ended:
+            tracker.end("abort")
+        if self.backend is not None:
+            self.backend.cancel(handle.request_id)  # a no-op once it finished
+
+    # --- request parsing ----------------------------------------------------------------------
+
+    async def _body(self, request: Request) -> dict:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body of {declared} bytes; the limit is "
+                           f"{MAX_BODY_BYTES}")
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise ApiError(413, f"request body over the limit of {MAX_BODY_BYTES} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ApiError(400, "the client disconnected while sending the body") from None
+        try:
+            body = json.loads(b"".join(chunks))
+        except (ValueError, RecursionError):
+            raise ApiError(400, "the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        return body
+
+    def _serving(self) -> "OpenAIApi":
+        if self.state != "serving" or self.backend is None:
+            state = "the model is still loading" if self.state == "loading" \
+                else "the server is shutting down"
+            raise ApiError(503, state, code=self.state)
+        return self
+
+    # --- error pages --------------------------------------------------------------------------
+
+    async def _not_found(self, request: Request, exc: Exception) -> Response:
+        return ApiError(404, f"no route {request.method} {request.url.path}").response()
+
+    async def _not_allowed(self, request: Request, exc: Exception) -> Response:
+        return ApiError(405, f"{request.method} is not allowed on {request.url.path}").response()
+
+    async def _internal(self, request: Request, exc: Exception) -> Response:
+        logger.exception("HTTP %s %s failed", request.method, request.url.path)
+        return ApiError(500, f"internal error: {type(exc).__name__}").response()
+
+
+def _next_event(events: queue.Queue) -> StreamEvent | None:
+    try:
+        return events.get(timeout=0.5)
+    except queue.Empty:
+        return None
+
+
+async def _watch_disconnect(request: Request, on_disconnect: Callable[[], None]) -> None:
+    """Waits for the client to go away (a non-streaming request), then calls `on_disconnect`."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            on_disconnect()
+            return
