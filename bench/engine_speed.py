@@ -84,16 +84,23 @@ def model_file(name: str) -> str | None:
 # --- workers: one system, one run, in its own process -------------------------------------
 
 
+# The engine's systems that force a kernel path (kernel_paths.forced): its products by oneDNN, as
+# before the panels; by the AVX-512 panels, as before the AMX products.
+FORCED = {"engine-onednn": {"products": "onednn"}, "engine-avx512": {"products": "panels"}}
+
+
 def engine_worker(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
-    from sssd.common.model import decoder
+    from sssd.common.model import kernel_paths
+
+    with kernel_paths.forced(**FORCED.get(args.system, {})):
+        return _engine_run(args, prompts)
+
+
+def _engine_run(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     from sssd.common.model.loader import load_causal_lm
     from sssd.verifier.engine import EngineConfig, EngineStats
     from sssd.verifier.factory import build_engine
 
-    if args.system == "engine-onednn":  # the decoder's products by oneDNN, as before the panels
-        decoder._panels_usable = lambda dtype, device: False
-    if args.system == "engine-avx512":  # the AVX-512 panels, as before the AMX products
-        decoder._amx_usable = lambda dtype, device: False
     if args.system == "engine-4k":  # the weights on ordinary pages, as before huge_pages.py
         os.environ["SSSD_HUGE_PAGES"] = "0"
     loaded = load_causal_lm(args.model_file, args.dtype)
@@ -194,10 +201,11 @@ def worker(args: argparse.Namespace) -> None:
 def cpu_name() -> str:
     """The CPU's model name, and "+AMX" where it has AMX's bfloat16 tiles: results of different
     machines differ by far more than their noise."""
-    from sssd import _kernels
+    from sssd.common.model import kernel_paths
     from sssd.common.model.device import cpu_model_name
 
-    return (cpu_model_name() or "unknown") + (" +AMX" if _kernels.has_amx_bf16() else "")
+    amx = kernel_paths.cpu_features()["amx_bf16"]
+    return (cpu_model_name() or "unknown") + (" +AMX" if amx else "")
 
 
 def memory_bandwidth() -> float:
@@ -210,6 +218,7 @@ def memory_bandwidth() -> float:
     import torch
 
     from sssd import _kernels
+    from sssd.common.model import kernel_paths
     from sssd.common.model.huge_pages import empty_on_huge_pages
 
     buffer = empty_on_huge_pages(2 << 30).view(torch.float32).fill_(1.0)
@@ -217,7 +226,7 @@ def memory_bandwidth() -> float:
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
-        if _kernels.panels_instructions(0):
+        if kernel_paths.path("panels", torch.float32) != "none":
             _kernels.read_bytes(buffer.data_ptr(), num_bytes)
         else:
             buffer.sum()

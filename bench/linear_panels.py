@@ -53,26 +53,21 @@ def main(argv: list[str] | None = None) -> None:
     flags.add_out(parser, None)
     args = parser.parse_args(argv)
 
-    from sssd.common.model.decoder import (
-        DTYPE_CODES,
-        Linear,
-        _amx_usable,
-        _oneDNN_usable,
-        _panels_usable,
-    )
+    from sssd.common.model import kernel_paths
+    from sssd.common.model.linear import Linear
 
     dtype = getattr(torch, args.dtype)
     cpu = torch.device("cpu")
-    if not _panels_usable(dtype, cpu):
+    shapes = products(args.model)
+    possible = kernel_paths.possible_products(dtype, cpu, [i for _, i in shapes])
+    if "panels" not in possible:
         raise SystemExit(f"this CPU cannot run the {args.dtype} panels (AVX-512 or AVX2 and FMA "
                          "needed)")
-    instructions = _kernels.panels_instructions(DTYPE_CODES[dtype])
-    shapes = products(args.model)
+    instructions = kernel_paths.path("panels", dtype)
     generator = torch.Generator().manual_seed(0)
     # The AMX products read the same packed panels: one copy of the weights serves both.
     # oneDNN beside them where it can prepack this dtype (not bfloat16 on an AVX2-only CPU)
-    names = ("panels",) + (("onednn",) if _oneDNN_usable(dtype, cpu) else ()) + \
-        (("amx",) if _amx_usable(dtype, cpu) else ())
+    names = ("panels",) + tuple(name for name in ("onednn", "amx") if name in possible)
     layers = []
     for out_features, in_features in shapes:
         weight = (0.02 * torch.randn(out_features, in_features, generator=generator)).to(dtype)

@@ -49,7 +49,8 @@ from sssd.cli.datastores import check_datastore, pick_datastore
 from sssd.common.config.logs import configure_logging
 from sssd.common.data.corpus import prompt_token_ids
 from sssd.common.model.loader import load_causal_lm
-from sssd.verifier.engine.budget_policy import DEFAULT_ACCEPTANCE_PRIOR, ROW_DECAY, MeasuredBudget
+from sssd.verifier.engine.acceptance_estimates import DEFAULT_ACCEPTANCE_PRIOR, ROW_DECAY
+from sssd.verifier.engine.budget_policy import MeasuredBudget
 
 
 class PricedRun:

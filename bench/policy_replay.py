@@ -37,8 +37,8 @@ import numpy as np
 
 from bench import flags
 from bench.draft_quality import accepted_path, add_answer_arguments, references
+from sssd.verifier.engine.acceptance_estimates import DEFAULT_ACCEPTANCE_PRIOR
 from sssd.verifier.engine.budget_policy import (
-    DEFAULT_ACCEPTANCE_PRIOR,
     HINDSIGHT_EVERY,
     TIE_TOLERANCE,
     FixedBudget,

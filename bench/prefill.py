@@ -50,39 +50,17 @@ def prompts(lengths: list[int], repeats: int, vocab: int = 30_000) -> dict[int, 
 
 
 def engine_worker(args: argparse.Namespace, cases: dict[int, list[list[int]]]):
-    from sssd.common.model import decoder
     from sssd.common.model.loader import load_causal_lm
     from sssd.verifier.engine import EngineConfig
     from sssd.verifier.factory import build_engine
 
-    # engine-flash: the prompts' attention by PyTorch, as before the engine's own kernel
-    kernels = _PromptAttentionCount(decoder._kernels, declines=args.system == "engine-flash")
-    decoder._kernels = kernels
     loaded = load_causal_lm(args.model_file, args.dtype)
     engine = build_engine(EngineConfig(mode="ar", dtype=args.dtype, max_batch_size=1,
                                        max_len=max(cases) + 8), loaded)
 
     def first_token(ids: list[int]) -> None:
         engine.generate([ids], 1)
-    return first_token, kernels
-
-
-class _PromptAttentionCount:
-    """sssd._kernels, counting the prompt_attention calls that the kernel answered (with
-    `declines`: declining every call, so that the decoder attends by PyTorch)."""
-
-    def __init__(self, kernels, declines: bool) -> None:
-        self._kernels, self._declines, self.calls = kernels, declines, 0
-
-    def prompt_attention(self, *args) -> bool:
-        if self._declines:
-            return False
-        done = self._kernels.prompt_attention(*args)
-        self.calls += done
-        return done
-
-    def __getattr__(self, name: str):
-        return getattr(self._kernels, name)
+    return first_token, engine.runner
 
 
 def vllm_worker(args: argparse.Namespace, cases: dict[int, list[list[int]]]):
@@ -98,9 +76,18 @@ def vllm_worker(args: argparse.Namespace, cases: dict[int, list[list[int]]]):
 
 
 def worker(args: argparse.Namespace) -> None:
+    from sssd.common.model import kernel_paths
+
+    # engine-flash: the prompts' attention by PyTorch, as before the engine's own kernel
+    forced = {"prompt_attention": "none"} if args.system == "engine-flash" else {}
+    with kernel_paths.forced(**forced):
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
     cases = {int(n): p for n, p in json.loads(Path(args.prompts_file).read_text()).items()}
-    # run(ids): one prompt to its first token; kernels: the engine's counted prompt kernel
-    run, kernels = vllm_worker(args, cases) if args.system == "vllm" \
+    # run(ids): one prompt to its first token; runner: the engine's model runner
+    run, runner = vllm_worker(args, cases) if args.system == "vllm" \
         else engine_worker(args, cases)
     for batch in cases.values():
         run(batch[0])  # warm-up: every length once
@@ -112,8 +99,8 @@ def worker(args: argparse.Namespace) -> None:
             run(ids)
             seconds.append(time.perf_counter() - start)
         result[length] = statistics.median(seconds)
-    print(RESULT + json.dumps({"seconds": result, "own_kernel_calls":
-                               None if kernels is None else kernels.calls}), flush=True)
+    print(RESULT + json.dumps({"seconds": result, "prompt_kernel":
+                               None if runner is None else runner.prompt_kernel}), flush=True)
 
 
 def run_system(args: argparse.Namespace, system: str, model: str, work: Path,
@@ -194,8 +181,8 @@ def main(argv: list[str] | None = None) -> None:
                            "rounds_ms": [round(1e3 * r["seconds"][length], 1)
                                          for r in rounds[system]],
                            "cpu": cpu_name()}
-                    if system != "vllm":  # whether the engine's own prompt kernel ran
-                        row["own_kernel_calls"] = rounds[system][0]["own_kernel_calls"]
+                    if system != "vllm":  # which attention the engine's prompts ran
+                        row["prompt_kernel"] = rounds[system][0]["prompt_kernel"]
                     if "vllm" in medians:
                         row["speed_vs_vllm"] = round(medians["vllm"] / medians[system], 2)
                     print(json.dumps(row), flush=True)

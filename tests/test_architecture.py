@@ -259,3 +259,58 @@ def test_flags_come_from_the_config_fields():
         parser.parse_args(["--mode", "fast"])
     with pytest.raises(ValueError, match="max_batch_size"):  # the config's own check
         from_args(EngineConfig, parser.parse_args(["--max-batch-size", "0"]))
+
+
+# --- sizes and maps ------------------------------------------------------------------------------
+
+GENERATED = ("services/v1/",)  # scripts/gen_proto.sh writes it
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def project_sources() -> list[Path]:
+    root = SERVICES.parent
+    return [p for p in sorted(SERVICES.rglob("*.py"))
+            if not str(p.relative_to(root)).startswith(GENERATED)]
+
+
+def test_no_source_file_is_over_500_lines():
+    """A module of one idea stays small; a longer one is a sign that it does several jobs."""
+    root = SERVICES.parent
+    long = [f"{p.relative_to(root)}: {n}" for p in project_sources()
+            if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
+    long += [f"{p.relative_to(root)}: {n}" for p in sorted(SERVICES.rglob("*.cc"))
+             if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
+    assert long == []
+
+
+def test_no_function_is_over_80_lines():
+    root = SERVICES.parent
+    long = []
+    for path in project_sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(root)}:{node.lineno} {node.name}: {lines}")
+    assert long == []
+
+
+def test_every_package_map_names_each_of_its_modules():
+    """A package whose docstring maps its files (`    name.py   what it is`) names all of them,
+    and names no file that is not there."""
+    import re
+
+    for init in sorted(SERVICES.rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        listed = set()
+        for line in doc.splitlines():
+            match = re.match(r"^\s{4}(\S+)\s\s", line)
+            if match:
+                listed.update(re.findall(r"[\w./]+(?:\.py|/)", match.group(1)))
+        if not listed:
+            continue
+        present = {p.name for p in init.parent.glob("*.py") if p.name != "__init__.py"} | \
+            {f"{p.name}/" for p in init.parent.iterdir() if (p / "__init__.py").is_file()}
+        assert listed == present, f"{init.relative_to(SERVICES.parent)}: map lists " \
+            f"{sorted(listed - present)} that are not there, omits {sorted(present - listed)}"

@@ -43,7 +43,7 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sssd.cli.check import run_check
@@ -183,56 +183,87 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check.add_argument("--once", action="store_true", help="stop after answering it")
 
 
+class _Refused(Exception):
+    """A reason `sssd up` stops before anything starts (exit status 2)."""
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         ensure_fetched(args.model)
-    except NotFetched as exc:
+        plan = _plan(args)
+    except (_Refused, NotFetched, ValueError, RuntimeError) as exc:
         print(f"sssd up: error: {exc}", file=sys.stderr)
         return 2
+    stack = Stack(plan.components)
+    stopping = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stopping.set())
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stack.start()
+        target = f"{args.host}:{plan.api.frontend.port}"
+        print("[5/5] a check prompt through the API", flush=True)
+        engine = plan.engine
+        run_check(target, args.prompt, args.max_tokens, max(1, args.check_rounds),
+                  None if args.no_exact_check else (engine.drafter_target, engine.datastore_dir),
+                  args.model)
+        if plan.speculator_target is not None:
+            print_speculator(plan.speculator_target)
+        if not args.once:
+            print("\nserving; Ctrl-C stops (running requests get "
+                  f"{args.grace_s:.0f} s to finish)", flush=True)
+            stopping.wait()
+    finally:
+        stack.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+@dataclass
+class _Plan:
+    """What `sssd up` starts, in order, and what the check prompt needs to know of it."""
+
+    components: list
+    api: GenerateApi
+    engine: EngineConfig
+    speculator_target: str | None
+
+
+def _plan(args: argparse.Namespace) -> _Plan:
+    """Checks every setting, port and file before anything starts, then lays out the stack's
+    components; raises _Refused (or ValueError) naming what is wrong."""
     if args.model is not None and args.profile_path == SERVING_PROFILE_PATH:
         # Profiles and acceptance statistics are the model's own.
         args.profile_path = str(Path(SERVING_PROFILE_PATH).parent / model_label(args.model) /
                                 Path(SERVING_PROFILE_PATH).name)
-    try:
-        # TLS and the Redis password reach every child and Ray worker through the environment.
-        tls_from_args(args)
-        ray_config = from_args(RayConfig, args, exclude=("address",), host=args.host,
-                               token_file="var/ray/auth_token")
-        args.drafter_in_process, drafter_reason = drafter_placement(
-            args, ray_config, ray_config.num_cpus or os.cpu_count() or 1)
-        speculator_target = f"{args.host}:{args.speculator_port}" if args.speculator else None
-        engine = from_args(EngineConfig, args, exclude=ENGINE_EXCLUDED,
-                           mode="ssd" if args.speculator else "sssd",
-                           drafter_target=None if args.drafter_in_process
-                           else f"{args.host}:{args.drafter_port}",
-                           speculator_target=speculator_target)
-        frontend_values = dict(engine=engine, max_workers=args.max_requests + 16,
-                               ray=None if args.no_ray else ray_config)
-        from_args(FrontendConfig, args, include=FRONTEND_FLAGS, **frontend_values)  # validates
-    except (ValueError, RuntimeError) as exc:
-        print(f"sssd up: error: {exc}", file=sys.stderr)
-        return 2
+    # TLS and the Redis password reach every child and Ray worker through the environment.
+    tls_from_args(args)
+    ray_config = from_args(RayConfig, args, exclude=("address",), host=args.host,
+                           token_file="var/ray/auth_token")
+    args.drafter_in_process, drafter_reason = drafter_placement(
+        args, ray_config, ray_config.num_cpus or os.cpu_count() or 1)
+    speculator_target = f"{args.host}:{args.speculator_port}" if args.speculator else None
+    engine = from_args(EngineConfig, args, exclude=ENGINE_EXCLUDED,
+                       mode="ssd" if args.speculator else "sssd",
+                       drafter_target=None if args.drafter_in_process
+                       else f"{args.host}:{args.drafter_port}",
+                       speculator_target=speculator_target)
+    frontend_values = dict(engine=engine, max_workers=args.max_requests + 16,
+                           ray=None if args.no_ray else ray_config)
+    from_args(FrontendConfig, args, include=FRONTEND_FLAGS, **frontend_values)  # validates
     problems = busy_ports(args.host, stack_ports(args))
     if problems:
-        for problem in problems:
-            print(f"sssd up: error: {problem}", file=sys.stderr)
-        return 2
+        raise _Refused("\nsssd up: error: ".join(problems))
     password_file = args.redis_password_file
     if password_file is None and args.redis_url == "embedded" and not args.no_live and \
             not (os.environ.get(PASSWORD_FILE_ENV) or os.environ.get(PASSWORD_ENV)):
         password_file = ensure_password_file("var/redis/password")
-    try:
-        redis_password = use_password_file(password_file)
-    except RuntimeError as exc:
-        print(f"sssd up: error: {exc}", file=sys.stderr)
-        return 2
+    redis_password = use_password_file(password_file)
     tokenizer = load_tokenizer(args.model)
-    vocab, fingerprint = vocab_size(tokenizer), tokenizer_fingerprint(tokenizer)
     try:
         datastore = pick_datastore(args.datastore, tokenizer, args.records)
     except NoDatastore as exc:
-        print(f"sssd up: error: {exc}", file=sys.stderr)
-        return 2
+        raise _Refused(str(exc)) from None
 
     monitor = Monitor()  # restarts a child that dies while the stack runs (supervisor.py)
     components: list = []
@@ -240,38 +271,8 @@ def run(args: argparse.Namespace) -> int:
     if args.no_live:
         print(f"[1/5] datastore {datastore} (live datastore off)", flush=True)
     else:
-        # The live datastore starts as hard links to the chosen one's shards and grows from
-        # the conversations served; the chosen datastore itself is never modified.
-        seed = datastore
-        if args.live_dir:
-            live = Path(args.live_dir)
-        elif args.model is None:
-            live = Path("var/live/datastore")
-        else:  # another model's conversations are other tokens: a live datastore of its own
-            live = Path("var/live") / fingerprint[:12] / "datastore"
-        if read_manifest(live) is None:
-            link_datastore(datastore, live)
-        else:
-            try:
-                check_datastore(live, fingerprint)
-            except NoDatastore as exc:
-                print(f"sssd up: error: the live datastore: {exc}; pass --live-dir",
-                      file=sys.stderr)
-                return 2
-        redis_url = args.redis_url
-        if redis_url == "embedded":
-            redis = EmbeddedRedis(Path("var/redis"), args.redis_port, redis_password, monitor)
-            components.append(redis)
-            redis_url = redis.url
-        components.append(ChildService("indexer", lambda: start_indexer(
-            live, redis_url, vocab, fingerprint, args.indexer_port, args.indexer_metrics_port,
-            args.build_tokens, args.build_interval_s), monitor, lambda process: (
-                f"[1/5] live datastore {live} (seeded from {seed}); Redis {redis_url}; "
-                f"indexer pid {process.pid}, metrics "
-                f"http://127.0.0.1:{args.indexer_metrics_port}/metrics")))
-        publish = PublishConfig(redis_url, str(Path("var/live/spool").absolute()),
-                                password=redis_password)
-        datastore = live
+        datastore, publish = _live_datastore(args, datastore, tokenizer, redis_password,
+                                             monitor, components)
     if args.drafter_in_process:
         # The engine's own drafter loads the datastore (the live one: it follows the manifest).
         engine = replace(engine, datastore_dir=str(Path(datastore).absolute()))
@@ -279,6 +280,7 @@ def run(args: argparse.Namespace) -> int:
         components.append(Line("drafting in process", f"[2/5] drafting in the engine's process "
                                f"from {datastore} ({drafter_reason})"))
     else:
+        vocab, fingerprint = vocab_size(tokenizer), tokenizer_fingerprint(tokenizer)
         components.append(ChildService("drafter service", lambda: start_drafter(
             datastore, vocab, fingerprint, args.host, args.drafter_port), monitor,
             lambda process: (f"[2/5] drafter service on {args.host}:{args.drafter_port} "
@@ -299,28 +301,44 @@ def run(args: argparse.Namespace) -> int:
         "the model in each",
         describe=lambda frontend: serving_lines(args.host, frontend))
     components.append(api)
-    stack = Stack(components)
-    stopping = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stopping.set())
-                for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        stack.start()
-        target = f"{args.host}:{api.frontend.port}"
-        print("[5/5] a check prompt through the API", flush=True)
-        run_check(target, args.prompt, args.max_tokens, max(1, args.check_rounds),
-                  None if args.no_exact_check else (engine.drafter_target, engine.datastore_dir),
-                  args.model)
-        if speculator_target is not None:
-            print_speculator(speculator_target)
-        if not args.once:
-            print("\nserving; Ctrl-C stops (running requests get "
-                  f"{args.grace_s:.0f} s to finish)", flush=True)
-            stopping.wait()
-    finally:
-        stack.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 0
+    return _Plan(components, api, engine, speculator_target)
+
+
+def _live_datastore(args: argparse.Namespace, datastore: Path, tokenizer, redis_password,
+                    monitor: Monitor, components: list) -> tuple[Path, PublishConfig]:
+    """The live datastore, its Redis and its indexer (appended to `components`): it starts as
+    hard links to the chosen datastore's shards and grows from the conversations served; the
+    chosen datastore itself is never modified. Returns the live datastore and where the
+    serving loop publishes."""
+    vocab, fingerprint = vocab_size(tokenizer), tokenizer_fingerprint(tokenizer)
+    seed = datastore
+    if args.live_dir:
+        live = Path(args.live_dir)
+    elif args.model is None:
+        live = Path("var/live/datastore")
+    else:  # another model's conversations are other tokens: a live datastore of its own
+        live = Path("var/live") / fingerprint[:12] / "datastore"
+    if read_manifest(live) is None:
+        link_datastore(datastore, live)
+    else:
+        try:
+            check_datastore(live, fingerprint)
+        except NoDatastore as exc:
+            raise _Refused(f"the live datastore: {exc}; pass --live-dir") from None
+    redis_url = args.redis_url
+    if redis_url == "embedded":
+        redis = EmbeddedRedis(Path("var/redis"), args.redis_port, redis_password, monitor)
+        components.append(redis)
+        redis_url = redis.url
+    components.append(ChildService("indexer", lambda: start_indexer(
+        live, redis_url, vocab, fingerprint, args.indexer_port, args.indexer_metrics_port,
+        args.build_tokens, args.build_interval_s), monitor, lambda process: (
+            f"[1/5] live datastore {live} (seeded from {seed}); Redis {redis_url}; "
+            f"indexer pid {process.pid}, metrics "
+            f"http://127.0.0.1:{args.indexer_metrics_port}/metrics")))
+    publish = PublishConfig(redis_url, str(Path("var/live/spool").absolute()),
+                            password=redis_password)
+    return live, publish
 
 
 def drafter_placement(args: argparse.Namespace, ray_config: RayConfig,
@@ -329,12 +347,9 @@ def drafter_placement(args: argparse.Namespace, ray_config: RayConfig,
     why. Unless a flag says, it does on a machine of fewer than MIN_CPUS_TO_DISAGGREGATE cores
     that runs one engine (no Ray, or one decode worker) and no speculator. There the service
     has no other engine to share its drafts with, and its round trip is the dearest part of a
-    step: on 2 cores, serving SmolLM2 to 8 concurrent streams through Ray, a draft took 3.2 ms
-    a step through the service against 1.5 ms in process (the decode worker's OpenMP thread
-    spins on one core after the forward pass, and the drafter, the API's process and Ray
-    share the other), and the stack gave 536 and 556 output tokens/s against 596 and 596,
-    alternating (docs/benchmarks.md). With a speculator the SSSD drafter is its fallback
-    service, as it has been measured."""
+    step (the decode worker's OpenMP thread spins on one core after the forward pass, and the
+    drafter, the API's process and Ray share the other; bench/results/2026-11-28-epyc-5). With a
+    speculator the SSSD drafter is its fallback service, as it has been measured."""
     if args.drafter_in_process is not None:
         return args.drafter_in_process, \
             "--drafter-in-process" if args.drafter_in_process else "--drafter-service"

@@ -14,10 +14,8 @@ Branches share the chain's KV in place: no prefix is copied per branch.
 
 The forward pass is the project's own (sssd.common.model.decoder, the verifier's: weights packed
 once, its own matrix products) for the Llama and Qwen2 families, through the transformers model
-for any other (`model_impl`, as the verifier's). On a CPU without bfloat16 instructions the
-difference is large: Qwen2.5-Coder-0.5B in bfloat16 on one core of an AMD EPYC (Zen 3) took
-149 ms for one node through transformers and 954 ms for 8, against 94 and 182 ms through the
-project's products.
+for any other (`model_impl`, as the verifier's); on a CPU without bfloat16 instructions the
+difference is large (bench/results/2026-11-29-zen3-ssd).
 """
 
 from __future__ import annotations

@@ -14,14 +14,8 @@ from sssd import _kernels
 from sssd.common.model.device import processor_name, resolve_device
 from sssd.common.model.loader import LoadedModel, load_causal_lm
 from sssd.common.model.tree_batch import MAX_TREE_BITS_NODES
-from sssd.verifier.engine.budget_policy import (
-    DEFAULT_ACCEPTANCE_PRIOR,
-    BudgetPolicy,
-    FixedBudget,
-    MeasuredBudget,
-    RuleBudget,
-    load_acceptance,
-)
+from sssd.verifier.engine.acceptance_estimates import DEFAULT_ACCEPTANCE_PRIOR, load_acceptance
+from sssd.verifier.engine.budget_policy import BudgetPolicy, FixedBudget, MeasuredBudget, RuleBudget
 from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.engine.engine import Engine
 from sssd.verifier.engine.forward_profile import ForwardProfile, profile_forward, profiled_batches

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench import prefill
-from sssd import _kernels
+from sssd.common.model import kernel_paths
 
 
 @pytest.mark.model
@@ -20,11 +20,9 @@ def test_the_smallest_run_prints_a_row_per_system_and_length(tmp_path):
         (70, "engine"), (70, "engine-flash"), (130, "engine"), (130, "engine-flash")]
     for row in rows:
         assert row["ms"] > 0 and row["tokens_per_s"] > 0 and "speed_vs_vllm" not in row
-    # Every layer of every prompt (warm-up and measured: 2 of each length) by the kernel.
-    layers = 30
-    expected = 4 * layers if _kernels.has_avx512() else 0
-    assert {r["system"]: r["own_kernel_calls"] for r in rows} == {"engine": expected,
-                                                                  "engine-flash": 0}
+    own = "avx512" if kernel_paths.cpu_features()["avx512"] else "torch"
+    assert {r["system"]: r["prompt_kernel"] for r in rows} == {"engine": own,
+                                                               "engine-flash": "torch"}
 
 
 def test_unknown_systems_and_lengths_are_refused():

@@ -74,8 +74,8 @@ def root_path(tree, length):
 
 # The last: the GPU's fixed verification shape (ModelRunner.fixed_nodes) on the CPU, trees of
 # up to 16 nodes padded to 16 on every slot's row, larger ones at their own shape.
-VARIANTS = [{}, {"fused": False}, {"fused": False, "pack": False},
-            {"fused": False, "pack": False, "fixed_nodes": 16}]
+VARIANTS = [{}, {"fused": False}, {"fused": False, "products": "plain"},
+            {"fused": False, "products": "plain", "fixed_nodes": 16}]
 VARIANT_IDS = ["fused-kernels", "torch-ops", "torch-ops-unpacked", "torch-ops-fixed-shape"]
 
 
@@ -142,7 +142,7 @@ def test_a_step_that_does_not_fit_is_refused(target_model_fp32):
     # rather than write past the cache.
     runner = ModelRunner(target_model_fp32.model, max_seqs=1, max_len=128, model_impl="sssd")
     runner.prefill(0, list(range(10, 110)))
-    with pytest.raises(ValueError, match="cache positions"):
+    with pytest.raises(ValueError, match="exceed"):
         runner.verify(random_trees(np.random.default_rng(0), 1, 40, 1000))
 
 
@@ -151,7 +151,7 @@ def test_a_prompt_attends_causally_over_its_own_keys_without_the_square_of_score
     apply, takes PyTorch's flash kernel (is_causal), which never holds its n x n scores; it
     equals the masked two-product attention it replaced, and only a single chain written from
     position 0 takes it."""
-    from sssd.common.model.decoder import grouped_attention, prompt_attention
+    from sssd.common.model.torch_ops import grouped_attention, prompt_attention
     from sssd.common.model.tree_batch import build_tree_batch, chain_tree
 
     prompt = chain_tree(np.arange(3, 303))
@@ -176,15 +176,15 @@ def test_a_bfloat16_model_where_onednn_cannot_prepack_it_gets_panels_or_plain_we
         monkeypatch):
     """On CPUs without AVX-512 (AMD Zen 2 and 3, say) oneDNN raises when asked to prepack a
     bfloat16 weight: the decoder asks first and takes the panels' AVX2 build, or keeps the
-    weights as they are where no panels run either; asked to pack anyway, it says why not."""
-    from sssd.common.model import decoder as decoder_module
+    weights as they are where no panels run either; asked for oneDNN anyway, it says why not."""
+    from sssd.common.model import kernel_paths
 
     model = tiny_model("llama").to(torch.bfloat16)
-    monkeypatch.setattr(decoder_module, "_oneDNN_packs", lambda dtype: False)
-    panels = decoder_module._panels_usable(torch.bfloat16, torch.device("cpu"))
+    monkeypatch.setattr(kernel_paths, "_onednn_packs", lambda dtype: False)
+    panels = kernel_paths.path("panels", torch.bfloat16) != "none"
     assert Decoder(model).layout in (("panels", "amx") if panels else ("plain",))
-    monkeypatch.setattr(decoder_module, "_panels_usable", lambda dtype, device: False)
-    plain = Decoder(model)
+    with kernel_paths.forced(products="plain"):
+        plain = Decoder(model)
     assert plain.layout == "plain"
     runner = ModelRunner(model, max_seqs=1, max_len=128, model_impl="sssd")
     runner.decoder = plain
@@ -193,5 +193,5 @@ def test_a_bfloat16_model_where_onednn_cannot_prepack_it_gets_panels_or_plain_we
     got, expected = runner.prefill(0, prompt).float(), reference.prefill(0, prompt).float()
     # bfloat16 logits of two orders of summation: a few units in the last place (0.008 seen)
     torch.testing.assert_close(got, expected, rtol=0, atol=0.05)
-    with pytest.raises(ValueError, match="cannot prepack"):
-        Decoder(model, pack=True)
+    with pytest.raises(ValueError, match="cannot run"):
+        Decoder(model, products="onednn")

@@ -1,6 +1,9 @@
-"""sssd._kernels, the verifier's fused CPU operations, against float64 references computed here
-with PyTorch: attention on each of its paths (AVX-512, AVX2 and portable), a prompt's causal
-attention, the row operations, the rotary cache write, and the argument checks."""
+"""sssd._kernels, the forward pass's CPU operations, against float64 references computed here
+with PyTorch: tree attention on each of its paths (AVX-512 with its scores on the vector units,
+AVX-512 BF16's dot products or the AMX tile unit, AVX2, portable), a prompt's causal attention
+whole and in chunks, the row operations, the rotary cache write, the argmax, and the argument
+checks; every attention read through block tables (kv_layout.h), whose blocks may lie anywhere
+in the cache without changing a bit of the result."""
 
 import numpy as np
 import pytest
@@ -8,20 +11,23 @@ import torch
 import torch.nn.functional as F
 
 from sssd import _kernels
+from sssd.common.model import kernel_paths
 
 CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Largest error against the float64 reference: float32 accumulates in float32; bfloat16 rounds
 # the output to 8 bits of mantissa (|values| of attention outputs stay below about 2).
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
-# The attention's paths, each where the CPU can run it: AVX-512 with its bfloat16 scores on the
-# AMX tile unit, AVX-512 with them on AVX-512 BF16's dot products, AVX-512 alone, AVX2 (forced
-# on a CPU that has AVX-512 too), and the portable loops. The argmax has two: its test picks
-# them from these.
-PATHS = ["amx", "dpbf16", "avx512", "avx2", "portable"]
-CAN_RUN = {"amx": _kernels.has_amx_bf16,
-           "dpbf16": lambda: _kernels.has_avx512() and _kernels.has_avx512_bf16(),
-           "avx512": _kernels.has_avx512, "avx2": _kernels.has_avx2_fma,
-           "portable": lambda: True}
+FEATURES = kernel_paths.cpu_features()
+# The attention's paths, each where the CPU can run it, as kernel_paths.forced settings.
+PATHS = {
+    "amx": dict(tree_attention="avx512", attention_scores="amx"),
+    "dpbf16": dict(tree_attention="avx512", attention_scores="dpbf16"),
+    "avx512": dict(tree_attention="avx512", attention_scores="avx512"),
+    "avx2": dict(tree_attention="avx2"),
+    "portable": dict(tree_attention="portable", prompt_attention="none", argmax="portable"),
+}
+CAN_RUN = {"amx": FEATURES["amx_bf16"], "dpbf16": FEATURES["avx512_bf16"],
+           "avx512": FEATURES["avx512"], "avx2": FEATURES["avx2_fma"], "portable": True}
 
 
 def skip_unless_it_applies(path, dtype):
@@ -31,19 +37,51 @@ def skip_unless_it_applies(path, dtype):
         pytest.skip(f"the {path} scores are for bfloat16")
 
 
-@pytest.fixture(params=PATHS)
+@pytest.fixture(params=list(PATHS))
 def path(request):
-    if not CAN_RUN[request.param]():
+    if not CAN_RUN[request.param]:
         pytest.skip(f"this CPU cannot run the {request.param} path")
-    previous_portable = _kernels.set_portable(request.param == "portable")
-    previous_avx2 = _kernels.set_attention_avx2(request.param == "avx2")
-    previous_amx = _kernels.set_attention_amx(request.param == "amx")
-    previous_dpbf16 = _kernels.set_attention_dpbf16(request.param == "dpbf16")
-    yield request.param
-    _kernels.set_portable(previous_portable)
-    _kernels.set_attention_avx2(previous_avx2)
-    _kernels.set_attention_amx(previous_amx)
-    _kernels.set_attention_dpbf16(previous_dpbf16)
+    with kernel_paths.forced(**PATHS[request.param]):
+        yield request.param
+
+
+class Paged:
+    """A one-layer paged cache (blocks [num_blocks, kv_heads, block_size, head_dim]) holding the
+    rows of `keys` and `values` [num_seqs, kv_heads, length, head_dim] in blocks scattered at
+    random, and the rows' block tables."""
+
+    def __init__(self, keys, values, block_size, generator, spare_blocks=3):
+        num_seqs, kv_heads, length, head_dim = keys.shape
+        per_row = -(-length // block_size)
+        num_blocks = num_seqs * per_row + spare_blocks
+        order = torch.randperm(num_blocks, generator=generator)[: num_seqs * per_row]
+        self.tables = order.view(num_seqs, per_row).to(torch.int32).contiguous()
+        self.keys = torch.randn(num_blocks, kv_heads, block_size, head_dim,
+                                generator=generator).to(keys.dtype)
+        self.values = torch.randn_like(self.keys)
+        padded = per_row * block_size
+        for source, target in ((keys, self.keys), (values, self.values)):
+            rows = torch.zeros(num_seqs, kv_heads, padded, head_dim, dtype=keys.dtype)
+            rows[:, :, :length] = source
+            blocks = rows.view(num_seqs, kv_heads, per_row, block_size, head_dim) \
+                .permute(0, 2, 1, 3, 4).reshape(-1, kv_heads, block_size, head_dim)
+            target[self.tables.view(-1).long()] = blocks
+        self.layout = _kernels.KvLayout([self.keys.data_ptr()], [self.values.data_ptr()],
+                                        num_blocks, block_size, kv_heads, head_dim,
+                                        CODES[keys.dtype])
+
+    def rows(self, cache_lens, num_nodes, bits=None, positions=None):
+        """sssd._kernels.StepRows over tensors this object keeps alive."""
+        assert len(cache_lens) <= self.tables.shape[0], "a row without a block table"
+        self._lens = torch.tensor(cache_lens, dtype=torch.int64)
+        self._bits = None if bits is None else as_tensor(bits)
+        num_seqs = len(cache_lens)
+        self._positions = positions if positions is not None else \
+            torch.zeros(num_seqs * num_nodes, dtype=torch.int64)
+        return _kernels.StepRows(self.layout, num_seqs, num_nodes, self._lens.data_ptr(),
+                                 self.tables.data_ptr(), self.tables.shape[1],
+                                 0 if self._bits is None else self._bits.data_ptr(),
+                                 self._positions.data_ptr())
 
 
 def tree_bits(parents: list[int], padded_to: int) -> list[int]:
@@ -58,10 +96,11 @@ def as_tensor(bits: list[list[int]]) -> torch.Tensor:
     return torch.from_numpy(np.array(bits, dtype=np.uint64).view(np.int64))
 
 
-def reference_attention(q, key_cache, value_cache, cache_lens, bits, first_slot, scale):
-    """float64, one query at a time over exactly the keys it sees."""
+def reference_attention(q, keys, values, cache_lens, bits, scale):
+    """float64, one query at a time over exactly the keys it sees; keys and values dense,
+    [num_seqs, kv_heads, length, head_dim]."""
     num_seqs, num_nodes, heads, head_dim = q.shape
-    group = heads // key_cache.shape[1]
+    group = heads // keys.shape[1]
     out = torch.empty(num_seqs, num_nodes, heads, head_dim, dtype=torch.float64)
     for s in range(num_seqs):
         cached = cache_lens[s]
@@ -69,29 +108,25 @@ def reference_attention(q, key_cache, value_cache, cache_lens, bits, first_slot,
             visible = list(range(cached)) + [cached + a for a in range(num_nodes)
                                               if bits[s][j] >> a & 1]
             for h in range(heads):
-                keys = key_cache[first_slot + s, h // group, visible].double()
-                values = value_cache[first_slot + s, h // group, visible].double()
-                weights = torch.softmax(keys @ q[s, j, h].double() * scale, dim=0)
-                out[s, j, h] = weights @ values
+                k = keys[s, h // group, visible].double()
+                v = values[s, h // group, visible].double()
+                weights = torch.softmax(k @ q[s, j, h].double() * scale, dim=0)
+                out[s, j, h] = weights @ v
     return out
 
 
-def run_attention(q, key_cache, value_cache, cache_lens, bits, first_slot, scale):
+def run_attention(q, cache, cache_lens, bits, scale):
     num_seqs, num_nodes, heads, head_dim = q.shape
     out = torch.empty(num_seqs, num_nodes, heads * head_dim, dtype=q.dtype)
-    lens = torch.tensor(cache_lens, dtype=torch.int64)
-    bits_tensor = as_tensor(bits)
-    _kernels.attention(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                       lens.data_ptr(), bits_tensor.data_ptr(), out.data_ptr(), first_slot,
-                       num_seqs, num_nodes, heads, key_cache.shape[1], head_dim,
-                       key_cache.shape[2], scale, CODES[q.dtype])
+    rows = cache.rows(cache_lens, num_nodes, bits)
+    _kernels.attention(cache.layout, 0, rows, q.data_ptr(), out.data_ptr(), heads, scale)
     return out.view(num_seqs, num_nodes, heads, head_dim)
 
 
 def random_case(generator, dtype, heads, kv_heads, head_dim, num_seqs, num_nodes, capacity=160):
-    key_cache = torch.randn(num_seqs + 2, kv_heads, capacity, head_dim, generator=generator)
-    value_cache = torch.randn(num_seqs + 2, kv_heads, capacity, head_dim, generator=generator)
-    q = torch.randn(num_seqs, num_nodes, heads, head_dim, generator=generator)
+    keys = torch.randn(num_seqs, kv_heads, capacity, head_dim, generator=generator).to(dtype)
+    values = torch.randn(num_seqs, kv_heads, capacity, head_dim, generator=generator).to(dtype)
+    q = torch.randn(num_seqs, num_nodes, heads, head_dim, generator=generator).to(dtype)
     cache_lens = torch.randint(0, capacity - num_nodes, (num_seqs,), generator=generator).tolist()
     bits = []
     for _ in range(num_seqs):
@@ -99,7 +134,7 @@ def random_case(generator, dtype, heads, kv_heads, head_dim, num_seqs, num_nodes
         parents = [-1] + [int(torch.randint(0, j, (1,), generator=generator))
                           for j in range(1, real)]
         bits.append(tree_bits(parents, num_nodes))
-    return (q.to(dtype), key_cache.to(dtype), value_cache.to(dtype), cache_lens, bits)
+    return q, keys, values, cache_lens, bits
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -113,87 +148,99 @@ def test_attention_matches_the_float64_reference(path, dtype, shape, num_seqs, n
     q, keys, values, cache_lens, bits = random_case(generator, dtype, heads, kv_heads, head_dim,
                                                     num_seqs, num_nodes)
     scale = head_dim ** -0.5
-    out = run_attention(q, keys, values, cache_lens, bits, 1, scale)
-    expected = reference_attention(q, keys, values, cache_lens, bits, 1, scale)
+    out = run_attention(q, Paged(keys, values, 16, generator), cache_lens, bits, scale)
+    expected = reference_attention(q, keys, values, cache_lens, bits, scale)
     assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", [(9, 3, 64), (12, 2, 128)], ids=["smollm2", "qwen2.5-1.5b"])
-def test_a_querys_result_does_not_depend_on_its_neighbours(path, dtype, shape):
-    """The root of a tree gives bit-identical outputs alone, under any tree, padded, and beside
-    other rows: what makes speculative decoding token-identical to plain decoding in bf16."""
+def test_a_querys_result_depends_neither_on_its_neighbours_nor_on_the_blocks(path, dtype, shape):
+    """The root of a tree gives bit-identical outputs alone, under any tree, padded, beside
+    other rows, and whether its keys lie in one block or in blocks of 16 or 48 positions
+    scattered over the cache: what makes speculative decoding token-identical to plain decoding
+    in bf16, with the cache paged."""
     skip_unless_it_applies(path, dtype)
     generator = torch.Generator().manual_seed(7)
     heads, kv_heads, head_dim = shape
-    capacity = 200
-    keys = torch.randn(4, kv_heads, capacity, head_dim, generator=generator).to(dtype)
-    values = torch.randn(4, kv_heads, capacity, head_dim, generator=generator).to(dtype)
+    length = 208
+    keys = torch.randn(4, kv_heads, length, head_dim, generator=generator).to(dtype)
+    values = torch.randn(4, kv_heads, length, head_dim, generator=generator).to(dtype)
     q = torch.randn(4, 33, heads, head_dim, generator=generator).to(dtype)
+    one_block = Paged(keys, values, length, generator, spare_blocks=0)
     cache_len = 150
-    alone = run_attention(q[:1, :1].contiguous(), keys, values, [cache_len], [[1]], 0, 0.125)
+    alone = run_attention(q[:1, :1].contiguous(), one_block, [cache_len], [[1]], 0.125)
     chain = tree_bits(list(range(-1, 32)), 33)
     bushy = tree_bits([-1] + [0] * 16, 33)  # 17 real nodes, 16 of padding
-    for bits in (chain, bushy):
-        out = run_attention(q[:1].contiguous(), keys, values, [cache_len], [bits], 0, 0.125)
+    for cache in (one_block, Paged(keys, values, 16, generator),
+                  Paged(keys, values, 48, generator)):
+        assert torch.equal(run_attention(q[:1, :1].contiguous(), cache, [cache_len], [[1]],
+                                         0.125), alone)
+        for bits in (chain, bushy):
+            out = run_attention(q[:1].contiguous(), cache, [cache_len], [bits], 0.125)
+            assert torch.equal(out[0, 0], alone[0, 0])
+        # Batched: row 0 beside three others of other lengths.
+        out = run_attention(q.contiguous(), cache, [cache_len, 3, 166, 90],
+                            [chain, bushy, chain, bushy], 0.125)
         assert torch.equal(out[0, 0], alone[0, 0])
-    # Batched: the row in slot 0 beside three others of other lengths.
-    out = run_attention(q.contiguous(), keys, values, [cache_len, 3, 166, 90],
-                        [chain, bushy, chain, bushy], 0, 0.125)
-    assert torch.equal(out[0, 0], alone[0, 0])
     # A chain's node 5 sees exactly what node 0 of a one-node step at cache_len + 5 sees,
     # once the keys of nodes 0-4 are in the cache at those positions.
-    out = run_attention(q[:1].contiguous(), keys, values, [cache_len], [chain], 0, 0.125)
-    later = run_attention(q[:1, 5:6].contiguous(), keys, values, [cache_len + 5], [[1]], 0,
-                          0.125)
+    out = run_attention(q[:1].contiguous(), one_block, [cache_len], [chain], 0.125)
+    later = run_attention(q[:1, 5:6].contiguous(), one_block, [cache_len + 5], [[1]], 0.125)
     assert torch.equal(out[0, 5], later[0, 0])
     # A bushy tree's node 9 sees the root and itself, 9 positions apart: the same as a one-node
     # step right after the root, its own key and value moved next to the root's.
-    out = run_attention(q[:1].contiguous(), keys, values, [cache_len], [bushy], 0, 0.125)
+    out = run_attention(q[:1].contiguous(), one_block, [cache_len], [bushy], 0.125)
     moved_keys, moved_values = keys.clone(), values.clone()
     moved_keys[0, :, cache_len + 1] = keys[0, :, cache_len + 9]
     moved_values[0, :, cache_len + 1] = values[0, :, cache_len + 9]
-    later = run_attention(q[:1, 9:10].contiguous(), moved_keys, moved_values, [cache_len + 1],
-                          [[1]], 0, 0.125)
+    moved = Paged(moved_keys, moved_values, 16, generator)
+    later = run_attention(q[:1, 9:10].contiguous(), moved, [cache_len + 1], [[1]], 0.125)
     assert torch.equal(out[0, 9], later[0, 0])
 
 
-def test_attention_refuses_what_it_cannot_compute():
-    q = torch.zeros(1, 65, 2, 64)
-    keys = torch.zeros(1, 1, 128, 64)
-    lens = torch.zeros(1, dtype=torch.int64)
-    bits = torch.zeros(1, 65, dtype=torch.int64)
-    out = torch.zeros(1, 65, 128)
-    args = (q.data_ptr(), keys.data_ptr(), keys.data_ptr(), lens.data_ptr(), bits.data_ptr(),
-            out.data_ptr(), 0)
+def test_attention_and_its_rows_refuse_what_they_cannot_compute():
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.zeros(1, 2, 128, 64)
+    cache = Paged(keys, keys, 16, generator)
+    q = torch.zeros(1, 65, 4, 64)
+    out = torch.zeros(1, 65, 256)
+    rows = cache.rows([0], 65, [[1] * 65])
     with pytest.raises(ValueError, match="1 to 64 nodes"):
-        _kernels.attention(*args, 1, 65, 2, 1, 64, 128, 0.125, 0)
+        _kernels.attention(cache.layout, 0, rows, q.data_ptr(), out.data_ptr(), 4, 0.125)
+    rows = cache.rows([0], 1, [[1]])
     with pytest.raises(ValueError, match="multiple of kv_heads"):
-        _kernels.attention(*args, 1, 1, 3, 2, 64, 128, 0.125, 0)
-    lens[0] = 100
-    with pytest.raises(ValueError, match="exceed the cache capacity"):
-        _kernels.attention(*args, 1, 40, 2, 1, 64, 128, 0.125, 0)
+        _kernels.attention(cache.layout, 0, rows, q.data_ptr(), out.data_ptr(), 3, 0.125)
+    with pytest.raises(ValueError, match="layer 1 of 1"):
+        _kernels.attention(cache.layout, 1, rows, q.data_ptr(), out.data_ptr(), 4, 0.125)
+    with pytest.raises(ValueError, match="exceed its block table"):
+        cache.rows([100], 40, [[1] * 40])
+    cache.tables[0, 0] = cache.layout.num_blocks  # a block past the cache
+    with pytest.raises(ValueError, match="outside the cache"):
+        cache.rows([0], 1, [[1]])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        _kernels.KvLayout([keys.data_ptr()], [keys.data_ptr()], 1, 24, 1, 64, 0)
     with pytest.raises(ValueError, match="dtype code"):
         _kernels.rms_norm(q.data_ptr(), q.data_ptr(), q.data_ptr(), 1, 64, 1e-5, 2)
 
 
-def run_prompt_attention(q, key_cache, value_cache, slot, scale):
-    """q [length, heads, head_dim] over the keys at positions [0, length) of `slot`; None where
-    the kernel does not apply."""
+def run_prompt_attention(q, cache, start, scale):
+    """q [n, heads, head_dim]: positions [start, start + n) of row 0 over its keys [0, start +
+    n); None where the kernel does not apply."""
     length, heads, head_dim = q.shape
     out = torch.full((length, heads * head_dim), float("nan"), dtype=q.dtype)
-    done = _kernels.prompt_attention(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                                     out.data_ptr(), slot, length, heads, key_cache.shape[1],
-                                     head_dim, key_cache.shape[2], scale, CODES[q.dtype])
+    rows = cache.rows([start], length)
+    done = _kernels.prompt_attention(cache.layout, 0, rows, q.data_ptr(), out.data_ptr(), heads,
+                                     scale)
     return out.view(length, heads, head_dim) if done else None
 
 
-def causal_reference(q, key_cache, value_cache, slot, scale):
-    """float64 causal attention of q [length, heads, head_dim] over the slot's first keys."""
+def causal_reference(q, keys, values, scale):
+    """float64 causal attention of q [length, heads, head_dim] over keys [kv_heads, length, d]."""
     length, heads, _ = q.shape
-    group = heads // key_cache.shape[1]
-    keys = key_cache[slot, :, :length].double().repeat_interleave(group, 0)  # [heads, n, d]
-    values = value_cache[slot, :, :length].double().repeat_interleave(group, 0)
+    group = heads // keys.shape[0]
+    keys = keys[:, :length].double().repeat_interleave(group, 0)  # [heads, n, d]
+    values = values[:, :length].double().repeat_interleave(group, 0)
     scores = torch.einsum("jhd,hpd->hjp", q.double(), keys) * scale
     hidden = torch.ones(length, length, dtype=torch.bool).triu(1)
     weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
@@ -204,14 +251,16 @@ def causal_reference(q, key_cache, value_cache, slot, scale):
 def prompt_path(request):
     """The prompt kernel's two ways to its scores: the AMX tile unit (bfloat16, where the CPU
     has one) or the AVX-512 vector loop."""
-    if not CAN_RUN[request.param]():
+    if not CAN_RUN[request.param]:
         pytest.skip(f"this CPU cannot run the {request.param} path")
-    previous = _kernels.set_attention_amx(request.param == "amx")
-    yield request.param
-    _kernels.set_attention_amx(previous)
+    with kernel_paths.forced(attention_scores=request.param):
+        yield request.param
 
 
-@pytest.mark.skipif(not _kernels.has_avx512(), reason="prompt_attention needs AVX-512")
+AVX512 = pytest.mark.skipif(not FEATURES["avx512"], reason="prompt_attention needs AVX-512")
+
+
+@AVX512
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", [(9, 3, 64), (12, 2, 128), (4, 4, 64)],
                          ids=["smollm2", "qwen2.5-1.5b", "no-groups"])
@@ -220,45 +269,56 @@ def test_prompt_attention_matches_the_float64_reference(dtype, shape, length, pr
     skip_unless_it_applies(prompt_path, dtype)
     heads, kv_heads, head_dim = shape
     generator = torch.Generator().manual_seed(length)
-    keys = torch.randn(3, kv_heads, 320, head_dim, generator=generator).to(dtype)
-    values = torch.randn(3, kv_heads, 320, head_dim, generator=generator).to(dtype)
+    keys = torch.randn(1, kv_heads, 320, head_dim, generator=generator).to(dtype)
+    values = torch.randn(1, kv_heads, 320, head_dim, generator=generator).to(dtype)
     q = torch.randn(length, heads, head_dim, generator=generator).to(dtype)
-    out = run_prompt_attention(q, keys, values, 2, head_dim ** -0.5)
-    expected = causal_reference(q, keys, values, 2, head_dim ** -0.5)
+    out = run_prompt_attention(q, Paged(keys, values, 16, generator), 0, head_dim ** -0.5)
+    expected = causal_reference(q, keys[0], values[0], head_dim ** -0.5)
     assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype]
 
 
-@pytest.mark.skipif(not _kernels.has_avx512(), reason="prompt_attention needs AVX-512")
+@AVX512
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_prompt_positions_result_depends_on_its_keys_alone(dtype, prompt_path):
-    """Position j gives the same bits in a prompt of any length past j, wherever the work's
-    blocks of positions fall: a prompt's KV cache does not depend on how long it is."""
+    """Position j gives the same bits in a prompt of any length past j, in a chunk of the
+    prompt that starts anywhere before it (chunked prefill, a prefix found in the cache), and
+    whatever blocks hold the keys: a prompt's KV cache depends on its tokens alone."""
     skip_unless_it_applies(prompt_path, dtype)
     generator = torch.Generator().manual_seed(3)
     keys = torch.randn(1, 3, 400, 64, generator=generator).to(dtype)
     values = torch.randn(1, 3, 400, 64, generator=generator).to(dtype)
     q = torch.randn(400, 9, 64, generator=generator).to(dtype)
-    full = run_prompt_attention(q, keys, values, 0, 0.125)
+    one_block = Paged(keys, values, 400, generator, spare_blocks=0)
+    full = run_prompt_attention(q, one_block, 0, 0.125)
     for length in (1, 31, 32, 33, 130, 399):
-        part = run_prompt_attention(q[:length].contiguous(), keys, values, 0, 0.125)
+        part = run_prompt_attention(q[:length].contiguous(), one_block, 0, 0.125)
         assert torch.equal(part, full[:length])
+    paged = Paged(keys, values, 16, generator)
+    for start, end in ((0, 400), (16, 400), (17, 40), (128, 129), (399, 400), (250, 333)):
+        chunk = run_prompt_attention(q[start:end].contiguous(), paged, start, 0.125)
+        assert torch.equal(chunk, full[start:end]), (start, end)
 
 
 def test_prompt_attention_declines_or_refuses_what_it_cannot_compute():
-    q = torch.zeros(8, 2, 32)
-    keys = torch.zeros(1, 1, 16, 32)
-    out = torch.zeros(8, 64)
-    args = (q.data_ptr(), keys.data_ptr(), keys.data_ptr(), out.data_ptr(), 0)
-    assert _kernels.prompt_attention(*args, 8, 2, 1, 32, 16, 0.125, 0) is False  # head_dim 32
-    previous = _kernels.set_portable(True)
-    try:
-        assert _kernels.prompt_attention(*args, 8, 2, 1, 64, 16, 0.125, 0) is False
-    finally:
-        _kernels.set_portable(previous)
-    with pytest.raises(ValueError, match="1 to capacity"):
-        _kernels.prompt_attention(*args, 17, 2, 1, 32, 16, 0.125, 0)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.zeros(8, 4, 64)
+    out = torch.zeros(8, 256)
+    small = Paged(torch.zeros(1, 1, 16, 32), torch.zeros(1, 1, 16, 32), 16, generator)
+    rows = small.rows([0], 8)
+    assert _kernels.prompt_attention(small.layout, 0, rows, q.data_ptr(), out.data_ptr(), 2,
+                                     0.125) is False  # head_dim 32
+    cache = Paged(torch.zeros(1, 2, 16, 64), torch.zeros(1, 2, 16, 64), 16, generator)
+    rows = cache.rows([0], 8)
+    with kernel_paths.forced(prompt_attention="none"):
+        assert _kernels.prompt_attention(cache.layout, 0, rows, q.data_ptr(), out.data_ptr(),
+                                         4, 0.125) is False
     with pytest.raises(ValueError, match="multiple of kv_heads"):
-        _kernels.prompt_attention(*args, 8, 3, 2, 32, 16, 0.125, 0)
+        _kernels.prompt_attention(cache.layout, 0, rows, q.data_ptr(), out.data_ptr(), 3, 0.125)
+    two = Paged(torch.zeros(2, 2, 16, 64), torch.zeros(2, 2, 16, 64), 16, generator)
+    two_rows = two.rows([0, 0], 4)
+    with pytest.raises(ValueError, match="one row"):
+        _kernels.prompt_attention(two.layout, 0, two_rows, q.data_ptr(), out.data_ptr(), 4,
+                                  0.125)
 
 
 def transformers_rms_norm(x, weight, eps):
@@ -296,22 +356,25 @@ def test_row_operations_match_transformers(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_rope_and_store_rotates_and_writes_the_cache(dtype):
+def test_rope_and_store_rotates_and_writes_each_token_into_its_block(dtype):
     generator = torch.Generator().manual_seed(3)
-    num_seqs, num_nodes, heads, kv_heads, head_dim, capacity = 2, 3, 4, 2, 64, 32
+    num_seqs, num_nodes, heads, kv_heads, head_dim, block = 2, 3, 4, 2, 64, 16
     qkv = torch.randn(num_seqs * num_nodes, (heads + 2 * kv_heads) * head_dim,
                       generator=generator).to(dtype)
-    angles = torch.arange(capacity).unsqueeze(1) * 0.1 * torch.arange(1, head_dim + 1)
+    angles = torch.arange(64).unsqueeze(1) * 0.1 * torch.arange(1, head_dim + 1)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    cache_lens = torch.tensor([5, 11], dtype=torch.int64)
-    positions = torch.tensor([[5, 6, 6], [11, 12, 13]], dtype=torch.int64)  # a tree, a chain
+    key_blocks = torch.zeros(6, kv_heads, block, head_dim, dtype=dtype)
+    value_blocks = torch.zeros_like(key_blocks)
+    layout = _kernels.KvLayout([key_blocks.data_ptr()], [value_blocks.data_ptr()], 6, block,
+                               kv_heads, head_dim, CODES[dtype])
+    cache_lens = torch.tensor([5, 14], dtype=torch.int64)  # row 1's nodes cross a block's end
+    tables = torch.tensor([[4, 0], [2, 5]], dtype=torch.int32)
+    positions = torch.tensor([5, 6, 6, 14, 15, 16], dtype=torch.int64)  # a tree, a chain
     queries = torch.empty(num_seqs, num_nodes, heads, head_dim, dtype=dtype)
-    key_cache = torch.zeros(4, kv_heads, capacity, head_dim, dtype=dtype)
-    value_cache = torch.zeros_like(key_cache)
-    _kernels.rope_and_store(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
-                            queries.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                            cache_lens.data_ptr(), 1, num_seqs, num_nodes, heads, kv_heads,
-                            head_dim, capacity, CODES[dtype])
+    rows = _kernels.StepRows(layout, num_seqs, num_nodes, cache_lens.data_ptr(),
+                             tables.data_ptr(), 2, 0, positions.data_ptr())
+    _kernels.rope_and_store(layout, 0, rows, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                            queries.data_ptr(), heads)
 
     def rotate(x, position):  # transformers' rotate_half form, rounded once per product
         half = head_dim // 2
@@ -323,28 +386,32 @@ def test_rope_and_store_rotates_and_writes_the_cache(dtype):
     tolerance = 1e-6 if dtype == torch.float32 else 1.6e-2
     for s in range(num_seqs):
         for j in range(num_nodes):
-            position, slot = int(positions[s, j]), int(cache_lens[s]) + j
+            position = int(positions[s * num_nodes + j])
+            place = int(cache_lens[s]) + j
+            where = (int(tables[s, place // block]), slice(None), place % block)
             expected_q = rotate(q[s, j].view(heads, head_dim), position)
             assert torch.allclose(queries[s, j].float(), expected_q.float(), atol=tolerance,
                                   rtol=tolerance)
             expected_k = rotate(k[s, j].view(kv_heads, head_dim), position)
-            assert torch.allclose(key_cache[1 + s, :, slot].float(), expected_k.float(),
+            assert torch.allclose(key_blocks[where].float(), expected_k.float(),
                                   atol=tolerance, rtol=tolerance)
-            assert torch.equal(value_cache[1 + s, :, slot], v[s, j].view(kv_heads, head_dim))
-    written = key_cache.abs().sum(dim=(1, 3)) > 0  # [slots, capacity]
+            assert torch.equal(value_blocks[where], v[s, j].view(kv_heads, head_dim))
+    written = key_blocks.abs().sum(dim=(1, 3)) > 0  # [blocks, block]
     assert written.sum().item() == num_seqs * num_nodes  # nothing else touched
-    assert not written[0].any() and not written[3].any()
+    assert not written[1].any() and not written[3].any() and not written[0].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("vocab", [1, 17, 100, 49152, 151936])  # odd tails; both models' rows
-@pytest.mark.parametrize("path", ["avx512", "portable"], indirect=True)  # no AVX2 argmax
-def test_argmax_gives_torchs_indices(path, dtype, vocab):
+@pytest.mark.parametrize("argmax_path", ["avx512", "portable"])  # no AVX2 argmax
+def test_argmax_gives_torchs_indices(argmax_path, dtype, vocab):
     """Greedy verification's token per node: the same index as torch.argmax on every row, ties
     to the first maximum, a NaN counted as the maximum (its first), -0.0 equal to 0.0, and
     bfloat16 logits read as torch reads them."""
-    from sssd.common.model.decoder import argmax_last
+    from sssd.common.model.argmax import argmax_last
 
+    if not CAN_RUN[argmax_path]:
+        pytest.skip(f"this CPU cannot run the {argmax_path} path")
     generator = torch.Generator().manual_seed(vocab)
     logits = torch.randn(5, 3, vocab, generator=generator).to(dtype)
     cases = [logits, logits[0, 0], logits[:, 1:]]  # rows, one row, a strided view of rows
@@ -359,6 +426,7 @@ def test_argmax_gives_torchs_indices(path, dtype, vocab):
     zeros = torch.zeros(4, vocab, dtype=dtype)
     zeros[:, vocab // 2] = -0.0
     cases += [zeros, torch.full((3, vocab), float("-inf"), dtype=dtype)]
-    for case in cases:
-        got = argmax_last(case)
-        assert got.dtype == torch.int64 and torch.equal(got, case.argmax(-1))
+    with kernel_paths.forced(argmax=argmax_path):
+        for case in cases:
+            got = argmax_last(case)
+            assert got.dtype == torch.int64 and torch.equal(got, case.argmax(-1))

@@ -1,5 +1,5 @@
 """The panels' matrix products (sssd._kernels.linear_bf16, linear_f32), in each build this CPU
-can run (AVX-512, and AVX2 wherever the CPU has it, forced by set_panels_avx2 on an AVX-512 CPU):
+can run (AVX-512, and AVX2 wherever the CPU has it, forced by kernel_paths on an AVX-512 CPU):
 bfloat16 gives the same bits as the sums its build specifies, in its order; float32 the product
 to rounding; in both a row's result does not depend on the rows beside it."""
 
@@ -7,26 +7,25 @@ import numpy as np
 import pytest
 import torch
 
-from sssd import _kernels
-from sssd.common.model.decoder import Linear, pack_panels
+from sssd.common.model import kernel_paths
+from sssd.common.model.linear import Linear, pack_panels
 
-pytestmark = pytest.mark.skipif(not _kernels.panels_instructions(1),
+PANELS = kernel_paths.chosen()["panels"]
+pytestmark = pytest.mark.skipif(PANELS["bfloat16"] == "none",
                                 reason="this CPU has neither AVX-512 nor AVX2 and FMA: the "
                                 "decoder uses oneDNN or PyTorch's products")
 # The builds to test: the CPU's own, and AVX2 forced where the CPU would choose AVX-512.
-BUILDS = ["native"] + (["avx2"] if _kernels.has_avx2_fma() and "avx512" in (
-    _kernels.panels_instructions(0), _kernels.panels_instructions(1)) else [])
+BUILDS = ["native"] + (["avx2"] if kernel_paths.cpu_features()["avx2_fma"] and "avx512" in
+                       PANELS.values() else [])
 
 
 @pytest.fixture(params=BUILDS)
 def build(request):
     """Runs the test with the CPU's own build of the products or the AVX2 one forced; yields
     the build the bfloat16 products then run ("avx512" or "avx2")."""
-    previous = _kernels.set_panels_avx2(request.param == "avx2")
-    try:
-        yield _kernels.panels_instructions(1)
-    finally:
-        _kernels.set_panels_avx2(previous)
+    forced = {"panels": "avx2"} if request.param == "avx2" else {}
+    with kernel_paths.forced(**forced):
+        yield kernel_paths.path("panels", torch.bfloat16)
 
 
 def random_product(rows: int, features: int, outputs: int, with_bias: bool,
@@ -113,7 +112,7 @@ def test_weights_it_cannot_hold_are_refused():
         Linear(torch.zeros(8, 4), None, "blocked")
 
 
-amx = pytest.mark.skipif(not _kernels.has_amx_bf16(),
+amx = pytest.mark.skipif(not kernel_paths.cpu_features()["amx_bf16"],
                          reason="this CPU has no AMX bfloat16 tiles (or the OS does not grant "
                          "them): the decoder uses the AVX-512 panels")
 
@@ -161,6 +160,7 @@ def test_amx_refuses_widths_its_tiles_cannot_hold():
 
 def test_amx_is_refused_where_the_cpu_or_os_offers_no_tiles(monkeypatch):
     # A tile instruction without the OS's grant is an illegal instruction: refused up front.
-    monkeypatch.setattr(_kernels, "has_amx_bf16", lambda: False)
+    features = dict(kernel_paths.cpu_features(), amx_bf16=False)
+    monkeypatch.setattr(kernel_paths, "cpu_features", lambda: features)
     with pytest.raises(ValueError, match="no AMX"):
         Linear(torch.zeros(64, 64, dtype=torch.bfloat16), None, "amx")

@@ -8,13 +8,9 @@ a mapping, and most of a small model's matrices are smaller than one such page. 
 copies its packed weights one after another into one buffer whose 2 MiB-aligned interior it
 advises (MADV_HUGEPAGE) before the copy touches it.
 
-Measured on the 2-core EPYC (AVX-512 BF16), plain bfloat16 decoding, the engine against the
-same engine on 4 KiB pages, taking turns (bench/engine_speed.py --systems engine,engine-4k):
-SmolLM2-135M 6.92 against 7.21 ms a step at 1 row, 9.31 against 10.24 at 8; Qwen2.5-Coder-1.5B
-79.9 against 85.1 ms at 8 rows, and at 1 row 47.2 against 68.2 in one run, 57.3 against 58.7
-in a second (this shared machine is that noisy). Again for SmolLM2 after the buffer became a
-fresh mapping: 6.64 against 6.50 ms at 1 row, 8.82 against 9.23 at 8, with equal tokens/s:
-the gain on the small model is within the noise. Where the OS refuses or lacks the advice
+The engine against the same engine on 4 KiB pages (`bench/engine_speed.py --systems
+engine,engine-4k`): bench/results/2026-11-28-epyc-5, a gain on the 1.5B model and within the
+noise on the small one. Where the OS refuses or lacks the advice
 (another OS, THP `never`) the buffer is ordinary memory and everything works as before;
 SSSD_HUGE_PAGES=0 turns it off.
 """

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from sssd import _kernels
+from sssd.common.model.kernel_paths import DTYPE_CODES
 
 # Every step attends over a key length that is a multiple of this, the extra keys masked out.
 # A row's attention then does not depend on how long the other rows of the batch are: a CPU
@@ -53,14 +54,15 @@ class SlotKVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_seqs = max_seqs
         self.max_len = max_len
-        # On the CPU `commit` moves positions with sssd._kernels.move_positions, given once what
-        # it needs of the buffers (contiguous and never reallocated: `load` and `move` copy into
-        # them in place): their addresses, slots, heads, positions and a position's bytes.
-        # None elsewhere: indexed copies.
-        self._move_layout = ([buffer.data_ptr() for buffer in (*self.keys, *self.values)],
-                             max_seqs, num_kv_heads, self.capacity,
-                             head_dim * self.keys[0].element_size()) \
-            if self.keys[0].device.type == "cpu" else None
+        # The buffers as sssd._kernels reads them (CPU only; None elsewhere): the paged layout
+        # with one block per slot, as long as the slot, so that a row's block table is its slot.
+        # The buffers are contiguous and never reallocated (`load` and `move` copy into them in
+        # place).
+        self.layout = _kernels.KvLayout(
+            [buffer.data_ptr() for buffer in self.keys],
+            [buffer.data_ptr() for buffer in self.values], max_seqs, self.capacity,
+            num_kv_heads, head_dim, DTYPE_CODES[dtype]) \
+            if self.keys[0].device.type == "cpu" and dtype in DTYPE_CODES else None
         self.lengths = [0] * max_seqs  # [max_seqs] committed tokens per slot
         # Set by `begin_step` for the forward pass in flight.
         self._rows: slice | None = None
@@ -100,6 +102,21 @@ class SlotKVCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len
 
+    def block_tables(self, first_slot: int, num_rows: int) -> torch.Tensor:
+        """[num_rows, 1] int32: rows [0, num_rows) of a step over slots [first_slot, ...) own
+        one block each, their slot."""
+        return torch.arange(first_slot, first_slot + num_rows, dtype=torch.int32).unsqueeze(1)
+
+    def rows_view(self, layer: int, first_slot: int, num_rows: int,
+                  kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of slots [first_slot, first_slot + num_rows) up to `kv_len`: two
+        [num_rows, num_kv_heads, kv_len, head_dim] views (no copy)."""
+        if kv_len > self.capacity or first_slot < 0 or first_slot + num_rows > self.max_seqs:
+            raise ValueError(f"slots [{first_slot}, {first_slot + num_rows}) x {kv_len} "
+                             f"positions: the cache holds {self.max_seqs} x {self.capacity}")
+        rows = slice(first_slot, first_slot + num_rows)
+        return self.keys[layer][rows, :, :kv_len], self.values[layer][rows, :, :kv_len]
+
     # --- after the forward pass ----------------------------------------------------------------
 
     def commit(self, slots: Sequence[int], accepted_nodes: Sequence[Sequence[int]]) -> None:
@@ -117,10 +134,15 @@ class SlotKVCache:
                     sources.append(base + node)
                     targets.append(base + depth)
             lengths.append((slot, base + 1 + len(nodes)))
-        if rows and self._move_layout is not None:
-            # One call for every layer's keys and values: 2 x num_layers indexed copies cost
-            # a quarter of a millisecond a step (SmolLM2-135M, a tree of 16 nodes).
-            _kernels.move_positions(*self._move_layout, rows, sources, targets)
+        if any(position >= self.capacity for position in (*sources, *targets)):
+            raise IndexError(f"a move lies outside the cache's {self.capacity} positions a slot")
+        if rows and self.layout is not None:
+            # One call for every layer's keys and values, where 2 x num_layers indexed copies
+            # were a visible part of a small model's step (bench/results/2026-12-01-xeon-10).
+            # Positions of the whole cache: slot * capacity + position.
+            capacity = self.capacity
+            _kernels.move_positions(self.layout, [r * capacity + p for r, p in zip(rows, sources)],
+                                    [r * capacity + p for r, p in zip(rows, targets)])
         elif rows:
             # [3, num_moves]: to the cache's device in one copy
             indices = torch.tensor((rows, sources, targets)).to(self.keys[0].device,

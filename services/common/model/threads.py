@@ -8,11 +8,10 @@ that it spins a hundred rounds and then sleeps on a futex, and every matrix prod
 step waits for its workers to be woken.
 
 A server that loads its model on the main thread and runs the engine on its loop thread owns
-two teams, and on a 2-core machine loses the spinning: measured there, a 4-row bfloat16 product
-of SmolLM2 took 82-89 us on the loop thread against 36 us on the main thread, and a plain decode
-step 18.7 ms against 13.4 ms. A thread that exits takes its team with it, so the serving
-processes load and prepare the model on a short-lived thread, and only the engine's own thread
-keeps a team.
+two teams, and on a 2-core machine loses the spinning: every product of a step then waits for
+its sleeping workers to be woken.
+A thread that exits takes its team with it, so the serving processes load and prepare the model
+on a short-lived thread, and only the engine's own thread keeps a team.
 """
 
 from __future__ import annotations

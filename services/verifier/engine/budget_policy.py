@@ -11,34 +11,20 @@ The measurements behind the constants below are in bench/results/ (the folders n
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
-import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Hashable, Sequence
 from typing import Protocol
 
+from sssd.verifier.engine.acceptance_estimates import ROW_DECAY, AcceptanceEstimates
 from sssd.verifier.engine.budget_rule import speculation_budget
-from sssd.verifier.engine.forward_profile import ForwardProfile, write_json
+from sssd.verifier.engine.forward_profile import ForwardProfile
 
 logger = logging.getLogger(__name__)
 
-# Draft tokens accepted per step at each budget before the policy has seen a step of its own:
-# SSSD on the ShareGPT datastore the main job builds, replaying SmolLM2-135M's greedy answers to
-# MT-Bench (`bench/draft_quality.py --sets mt_bench`), rounded down.
-DEFAULT_ACCEPTANCE_PRIOR = {1: 0.0, 2: 0.43, 4: 0.82, 8: 1.1, 16: 1.3, 32: 1.45}
-PRIOR_WEIGHT = 8  # the prior counts as this many observed rows (one sequence's tree of a step)
 PROFILE_WEIGHT = 8  # a profiled step time counts as this many observed ones
-# A sequence's own acceptance estimate starts from the global one, worth ROW_PRIOR_WEIGHT of its
-# steps, then moves ROW_DECAY of the way to each of its own steps: a memory of about 20 steps,
-# long enough that a few poor steps do not send a sequence below its best budget
-# (bench/results/2026-11-30-xeon-7). At most MAX_ROWS sequences are remembered, the least
-# recently seen dropped first.
-ROW_PRIOR_WEIGHT = 4
-ROW_DECAY = 0.05
-MAX_ROWS = 1024
 # A settled next budget more than FAR_BEHIND below the best rate is explored FAR_EXPLORE_FACTOR
 # times more rarely. Not before it has settled (RECENT_STEPS steps): on fewer, a burst of slow
 # steps of a shared machine can be most of what it was timed on.
@@ -144,19 +130,12 @@ class RuleBudget(_NoHindsight):
 class MeasuredBudget:
     """argmax over s_q of E[emitted tokens | s_q] / t(b, s_q), both learned online.
 
-    Acceptance. E[emitted | s_q] = 1 + E[accepted | s_q]. The drafter inserts nodes best-first
-    (docs/algorithm.md, "Output"), so the tree of budget s is the first s nodes of a tree of
-    budget B > s, and the accepted path cut at its first node with index >= s is what that tree
-    would have kept (node indices grow along a path). So every step teaches every budget up to
-    its own: each budget keeps a moving average of what it accepts beyond the next smaller
-    budget, and a budget's estimate is the sum of those up to it, so a larger budget never
-    looks worse than a smaller one for having been run less often. With row keys
-    (`budget(b, rows)`, `observe(..., rows)`) each sequence keeps its own averages, started from
-    the global ones (worth ROW_PRIOR_WEIGHT of its steps, then `row_decay` a step), and a step's
-    expectation is the mean over its rows. The global estimates start from a prior (what
-    `save_stats` kept from an earlier run, else DEFAULT_ACCEPTANCE_PRIOR, worth PRIOR_WEIGHT
-    rows), so a fresh server speculates from its first step; without a prior the first step
-    runs at the largest budget, which measures all of them at once.
+    Acceptance. E[emitted | s_q] = 1 + E[accepted | s_q], learned for every budget from every
+    step (acceptance_estimates.py). With row keys (`budget(b, rows)`, `observe(..., rows)`) a
+    step's expectation is the mean over its rows' own estimates. They start from a prior (what
+    `save_stats` kept from an earlier run, else the default prior), so a fresh server
+    speculates from its first step; without a prior the first step runs at the largest budget,
+    which measures all of them at once.
 
     Budgets above the one in use are learned in hindsight where the proposer allows it: every
     `hindsight_every`-th step drafts at the largest budget, verifies the first `budget` nodes
@@ -200,34 +179,13 @@ class MeasuredBudget:
                 hindsight_every < 0:
             raise ValueError("need 0 < decay <= 1, 0 < row_decay <= 1, explore_every >= 2 and "
                              "hindsight_every >= 0")
-        self.decay = decay
-        self.row_decay = row_decay
         self.explore_every = explore_every
         self.hindsight_every = hindsight_every  # 0: never draft beyond the verified budget
         self._num_draft_calls = 0
         self._has_hindsight = False  # scores in hindsight arrive: explore downwards
         self.tie_tolerance = tie_tolerance
-        # What each budget accepts beyond the next smaller one, per row; None until observed.
-        # Budgets are compared by these sums (`expected_accepted`), never by estimates learned
-        # apart: a budget run less often than a smaller one must not fall behind it for being
-        # learned from older steps (a tree holds every smaller one, so it accepts at least as
-        # much, step by step).
-        self._increments: dict[int, float | None] = {s: None for _, s in self.candidates}
-        self._weights = {s: 0 for _, s in self.candidates}  # rows behind each estimate
-        # The next smaller budget's (1 below the smallest: the root, never a draft).
-        self._below = {s: max((t for _, t in self.candidates if t < s), default=1)
-                       for _, s in self.candidates}
-        if prior is not None:
-            below = 0.0
-            for _, s in self.candidates:
-                if s not in prior:
-                    break
-                self._increments[s] = max(0.0, float(prior[s]) - below)
-                self._weights[s] = PRIOR_WEIGHT
-                below = max(below, float(prior[s]))
-        # Per sequence (its key), its own increment per budget and the steps behind each.
-        self._rows: OrderedDict[Hashable, tuple[dict[int, float], dict[int, int]]] = \
-            OrderedDict()
+        self.acceptance = AcceptanceEstimates([s for _, s in self.candidates], decay, row_decay,
+                                              prior)
         # (b, s) -> estimate, in seconds at the pace the machine had when they were learned
         self.observed_seconds: dict[tuple[int, int], float] = {}
         self.pace = 1.0  # a step now takes this times its estimate
@@ -247,17 +205,20 @@ class MeasuredBudget:
 
     @property
     def expected_accepted(self) -> dict[int, float | None]:
-        """Mean accepted draft tokens per row at each budget (None from the first budget not
-        yet observed on): the sums of the increments up to it."""
-        return _levels(self._increments)
+        """Mean accepted draft tokens per row at each budget (AcceptanceEstimates.expected)."""
+        return self.acceptance.expected
+
+    @property
+    def row_decay(self) -> float:
+        return self.acceptance.row_decay
 
     def budget(self, batch_size: int, rows: Sequence[Hashable] | None = None) -> int:
         self._num_calls += 1
         self._is_timing_step = True
-        unobserved = [s for _, s in self.candidates if self._increments[s] is None]
+        unobserved = self.acceptance.unobserved()
         if unobserved:
             return max(unobserved)  # one step there measures every smaller budget too
-        accepted = self._batch_acceptance(rows)
+        accepted = self.acceptance.batch(rows)
 
         seconds = [self.observed_seconds[(batch_size, s)] if (batch_size, s) in
                    self.observed_seconds else self._expected_seconds(batch_size, j, s)
@@ -362,11 +323,7 @@ class MeasuredBudget:
             return
         if step_s is not None:
             self._learn_seconds(batch_size, budget, step_s)
-        entries = self._row_entries(rows)
-        for _, s in self.candidates:
-            if s > budget:
-                break
-            self._learn_acceptance(s, accepted_nodes, entries)
+        self.acceptance.learn(accepted_nodes, rows, up_to=budget)
 
     def _expected_seconds(self, batch_size: int, index: int, budget: int) -> float:
         """What (batch_size, budget) should cost before its own steps tell: its profiled time,
@@ -441,94 +398,9 @@ class MeasuredBudget:
         if not accepted_nodes:
             return
         self._has_hindsight = True
-        entries = self._row_entries(rows)
-        for _, s in self.candidates:
-            if s > verified_budget:
-                self._learn_acceptance(s, accepted_nodes, entries)
-
-    def _row_estimates(self, key: Hashable) -> tuple[dict[int, float], dict[int, int]]:
-        """A sequence's own increments, made from the global ones when it is new."""
-        entry = self._rows.get(key)
-        if entry is None:
-            entry = self._rows[key] = (
-                {s: v for s, v in self._increments.items() if v is not None},
-                {s: ROW_PRIOR_WEIGHT for s in self._increments})
-            while len(self._rows) > MAX_ROWS:
-                self._rows.popitem(last=False)
-        else:
-            self._rows.move_to_end(key)
-        return entry
-
-    def _row_entries(self, rows: Sequence[Hashable] | None) -> list[tuple[dict[int, float],
-                                                                          dict[int, int]]]:
-        """Each row's own estimates (none without keys), looked up once per step."""
-        return [] if rows is None else [self._row_estimates(key) for key in rows]
-
-    def _batch_acceptance(self, rows: Sequence[Hashable] | None) -> dict[int, float]:
-        """Per budget, the accepted draft tokens a step of these rows is expected to get: the
-        mean of the rows' own estimates. A batch's acceptance is that of the sequences in it,
-        which come and go: one global average lags the change of company (the long answers
-        left at the end of a batch accept more than the batch did) or, made to follow it,
-        chases the noise of a few rows."""
-        if not rows:
-            return self.expected_accepted
-        sums = dict.fromkeys(self._increments, 0.0)
-        for estimates, _ in self._row_entries(rows):
-            for s in sums:
-                sums[s] += estimates.get(s, self._increments[s])
-        return _levels({s: total / len(rows) for s, total in sums.items()})
-
-    def _learn_acceptance(self, s: int, accepted_nodes: Sequence[Sequence[int]],
-                          entries: list[tuple[dict[int, float], dict[int, int]]]) -> None:
-        """What a tree of budget s, the first s nodes, accepted beyond the tree of the next
-        smaller budget: each path cut at its first node >= s (indices grow along a path) less
-        the same path cut at the smaller budget. Learned globally (the prior of new sequences,
-        and what `save_stats` keeps) and in each row's `entries` (`_row_entries`)."""
-        below = self._below[s]
-        counts = [sum(1 for node in path if below <= node < s) for path in accepted_nodes]
-        for (estimates, weights), count in zip(entries, counts):
-            weights[s] = weights.get(s, 0) + 1
-            old = estimates.get(s, float(count))
-            estimates[s] = old + max(self.row_decay, 1.0 / weights[s]) * (count - old)
-        mean = sum(counts) / len(counts)
-        # A running mean over rows while few are behind the estimate: a step of 8 rows weighs
-        # as 8 steps of one, so a large batch does not serve dozens of steps at a prior's
-        # budget that its own trees already contradict. Then a moving average over steps, each
-        # step's mean one observation: a batch's acceptance changes as its prompts come and go,
-        # not row by row, and a memory counted in rows would chase the noise of a few rows.
-        num_rows = len(accepted_nodes)
-        self._weights[s] += num_rows
-        rate = max(self.decay, num_rows / self._weights[s])
-        old = self._increments[s]
-        self._increments[s] = mean if old is None else old + rate * (mean - old)
+        self.acceptance.learn(accepted_nodes, rows, above=verified_budget)
 
     def save_stats(self, path: str | os.PathLike) -> None:
-        """The acceptance estimates, as the prior of a later start (`load_acceptance`)."""
-        write_json(path, {"expected_accepted": {str(s): v for s, v
-                                                 in self.expected_accepted.items()
-                                                 if v is not None},
-                           "saved_at": time.time()})
-
-
-def _levels(increments: dict[int, float | None]) -> dict[int, float | None]:
-    """Budget -> accepted draft tokens, the increments (ascending budgets) summed up to it;
-    None from the first unknown increment on."""
-    levels: dict[int, float | None] = {}
-    total: float | None = 0.0
-    for s in sorted(increments):
-        increment = increments[s]
-        total = None if total is None or increment is None else total + increment
-        levels[s] = total
-    return levels
-
-
-def load_acceptance(path: str | os.PathLike) -> dict[int, float] | None:
-    """Acceptance estimates saved by `MeasuredBudget.save_stats`, or None."""
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-        return {int(s): float(v) for s, v in raw["expected_accepted"].items()}
-    except (FileNotFoundError, KeyError, ValueError, json.JSONDecodeError):
-        return None
-
-
+        """The acceptance estimates, as the prior of a later start
+        (acceptance_estimates.load_acceptance)."""
+        self.acceptance.save(path)

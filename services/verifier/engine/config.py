@@ -39,8 +39,8 @@ class EngineConfig:
         "gave it")
     model_impl: str = option(
         "auto", "the forward pass; sssd: the verifier's own (Llama and Qwen2 models: fused "
-        "projections, prepacked weights, its own attention kernel; 2-3.5x faster per step on "
-        "a CPU, and bfloat16 answers that do not depend on the batch); transformers: the "
+        "projections, prepacked weights, its own attention kernel; several times faster per "
+        "step on a CPU, and bfloat16 answers that do not depend on the batch); transformers: the "
         "transformers model's forward over the same cache (every architecture; the tests' "
         "reference); auto: sssd where the architecture is implemented, else transformers, with "
         "a log line saying why", choices=MODEL_IMPLS)

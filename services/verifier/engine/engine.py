@@ -25,7 +25,7 @@ import torch
 
 from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.drafting.proposer import Proposer
-from sssd.common.model.decoder import argmax_last
+from sssd.common.model.argmax import argmax_last
 from sssd.verifier.engine.acceptance import AcceptResult, accept_greedy, draws_at_positions
 from sssd.verifier.engine.budget_policy import BudgetPolicy
 from sssd.verifier.engine.detokenizer import Decode, IncrementalDetokenizer, find_stop

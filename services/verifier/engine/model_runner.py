@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from sssd.common.drafting.draft_tree import DraftTree
+from sssd.common.model import kernel_paths
 from sssd.common.model.decoder import Segment, decoder_for
 from sssd.common.model.kv_cache import SlotKVCache, cache_keyword
 from sssd.common.model.tree_batch import (
@@ -159,6 +160,16 @@ class ModelRunner:
     def impl(self) -> str:
         """The forward pass in use: "sssd" or "transformers"."""
         return "transformers" if self.decoder is None else "sssd"
+
+    @property
+    def prompt_kernel(self) -> str:
+        """Where a prompt's attention runs: the path of sssd._kernels' prompt attention
+        (kernel_paths) under the own fused forward pass, else "torch"."""
+        if self.decoder is None or not self.decoder.fused or \
+                self.decoder.head_dim not in (64, 128):
+            return "torch"
+        path = kernel_paths.path("prompt_attention", self.dtype)
+        return "torch" if path == "none" else path
 
     @property
     def products(self) -> str:

@@ -52,8 +52,8 @@ class RayConfig:
                                "the local Ray node's Prometheus endpoint (worker metrics)")
     num_cpus: int | None = None  # logical CPUs of a local cluster; None: os.cpu_count()
     cpus_per_worker: float = option(1.0, "logical CPUs each worker actor reserves in Ray")
-    # Per worker; None: the node's cores split among the workers (on the 2-core machines one
-    # thread each measured 18 tokens/s against 14-15 with two threads that contend).
+    # Per worker; None: the node's cores split among the workers (threads that contend for the
+    # same cores make every worker slower; bench/results/2026-11-28-epyc-2).
     torch_threads: int | None = option(None, "torch threads per worker; unset: the node's "
                                        "cores split among the workers")
     # Custom Ray resources (one unit per actor) that pin the workers to their node groups: on

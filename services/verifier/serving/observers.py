@@ -69,7 +69,8 @@ class Observers(LoopObserver):
 class AcceptanceSaver(LoopObserver):
     """Saves the measured budget policy's acceptance estimates every SAVE_EVERY verification
     steps and when the loop stops: the next start takes them as its prior
-    (`budget_policy.load_acceptance`), so a restarted server speculates from its first step."""
+    (`acceptance_estimates.load_acceptance`), so a restarted server speculates from its first
+    step."""
 
     def __init__(self, policy: MeasuredBudget, path: str | os.PathLike) -> None:
         self.policy = policy

@@ -11,11 +11,10 @@ GPUs through CUDA_VISIBLE_DEVICES, so inside a worker the device is plain `cuda`
 On CPUs with no prefill count given, a cluster of fewer than MIN_CPUS_TO_DISAGGREGATE CPUs gets
 no prefill worker: its decode worker prefills its own prompts inside its decode steps, as the
 single-process engine does, on every core. A prefill worker there would take cores that the
-decode steps need and give back only the overlap of prefill with decoding: on 2 cores, serving
-SmolLM2 at 8 concurrent requests (ShareGPT, vLLM's client, two alternating pairs), the decode
-worker alone on both cores gave 439 and 409 output tokens/s with speculation against 417 and
-395 with a prefill worker and a decode worker of a core each, 295 and 306 against 288 and 290
-without speculation (docs/benchmarks.md). It also holds one copy of the model fewer.
+decode steps need and give back only the overlap of prefill with decoding: on 2 cores the decode
+worker alone on both cores served more output tokens/s than a prefill worker and a decode
+worker of a core each (bench/results/2026-11-28-epyc-3). It also holds one copy of the model
+fewer.
 """
 
 from __future__ import annotations

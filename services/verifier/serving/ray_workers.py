@@ -82,9 +82,8 @@ def decode_worker_profile(profile_path: str | None, own_prefill: bool = False) -
     """A decode worker's own forward profile beside `profile_path` (forward.json ->
     forward.ray-decode.json, or forward.ray-decode-own-prefill.json for a worker that prefills
     its own prompts): its steps run beside a prefill worker and the Ray processes on the same
-    cores (on 2 cores, a step of SmolLM2 at b = 1 profiled 18.5 ms there against 6.5 ms in a
-    server without Ray), or alone on all of them, so a profile of one deployment must not price
-    another's budgets."""
+    cores (several times slower on 2 cores than in a server without Ray), or alone on all of
+    them, so a profile of one deployment must not price another's budgets."""
     if not profile_path:
         return profile_path
     path = Path(profile_path)

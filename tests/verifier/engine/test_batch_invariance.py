@@ -47,17 +47,13 @@ def packed_bf16_products_are_row_invariant() -> bool:
     """The decoder's bfloat16 products as it runs them here (on the AMX tile unit or the
     AVX-512 panels where the CPU has them, from one row up; else oneDNN, from two rows up),
     every projection shape of the default model, on several inputs."""
-    from sssd.common.model.decoder import Linear, _amx_usable, _oneDNN_usable, _panels_usable
+    from sssd.common.model import kernel_paths
+    from sssd.common.model.linear import Linear
 
-    cpu = torch.device("cpu")
-    if _amx_usable(torch.bfloat16, cpu):
-        layout, fewest = "amx", 1
-    elif _panels_usable(torch.bfloat16, cpu):
-        layout, fewest = "panels", 1
-    elif _oneDNN_usable(torch.bfloat16, cpu):
-        layout, fewest = "onednn", 2
-    else:
+    layout = kernel_paths.products(torch.bfloat16, torch.device("cpu"))
+    if layout == "plain":
         return False
+    fewest = 2 if layout == "onednn" else 1
     generator = torch.Generator().manual_seed(0)
     for features, outputs in ((576, 1728), (576, 3072), (1536, 576), (576, 576)):
         linear = Linear(torch.randn(outputs, features, generator=generator).bfloat16(), None,

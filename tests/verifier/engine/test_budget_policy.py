@@ -3,13 +3,8 @@
 import numpy as np
 import pytest
 
-from sssd.verifier.engine.budget_policy import (
-    DEFAULT_ACCEPTANCE_PRIOR,
-    RECENT_STEPS,
-    FixedBudget,
-    MeasuredBudget,
-    RuleBudget,
-)
+from sssd.verifier.engine.acceptance_estimates import DEFAULT_ACCEPTANCE_PRIOR
+from sssd.verifier.engine.budget_policy import RECENT_STEPS, FixedBudget, MeasuredBudget, RuleBudget
 from sssd.verifier.engine.forward_profile import DEFAULT_BUDGETS, ForwardProfile
 
 
@@ -557,7 +552,7 @@ def test_a_batch_is_judged_by_the_sequences_in_it():
     assert policy.budget(1, ["code"]) == 4  # 4 tokens for 0.045 s against 1 for 0.04
     assert policy.budget(1, ["chat"]) == 1
     assert policy.expected_accepted[8] < 0.5  # the global estimate followed the chat answer
-    new = policy._batch_acceptance(["new"])[8]
+    new = policy.acceptance.batch(["new"])[8]
     assert new == pytest.approx(policy.expected_accepted[8])
 
 
@@ -645,11 +640,11 @@ def test_a_sequence_estimate_follows_its_own_steps_at_row_decay(row_decay):
                             row_decay=row_decay)
     for _ in range(200):  # accepts its draft every step: its own estimate reaches 1
         policy.observe(1, 2, [[1]], 0.04, rows=["seq"])
-    before = policy._batch_acceptance(["seq"])[2]
+    before = policy.acceptance.batch(["seq"])[2]
     assert before == pytest.approx(1.0, abs=1e-3)
     for _ in range(10):  # then none
         policy.observe(1, 2, [[]], 0.04, rows=["seq"])
-    assert policy._batch_acceptance(["seq"])[2] == pytest.approx(before * (1 - row_decay) ** 10)
+    assert policy.acceptance.batch(["seq"])[2] == pytest.approx(before * (1 - row_decay) ** 10)
 
 
 def test_row_decay_out_of_range_is_refused():

@@ -148,7 +148,7 @@ def test_bfloat16_speculation_at_the_fixed_shape_equals_plain_decoding(device, t
                                       max_budget=8 if on_cpu else 16,
                                       fixed_nodes=8 if on_cpu else None)
         if on_cpu:
-            engine.runner.decoder = Decoder(loaded.model, fused=False, pack=False)
+            engine.runner.decoder = Decoder(loaded.model, products="plain", fused=False)
         else:
             assert engine.runner.fixed_nodes is not None  # the default on CUDA
         return engine, drafter
@@ -185,7 +185,7 @@ def test_at_the_fixed_shape_a_tree_node_gets_plain_decodings_logits_to_the_bit(
     def runner():
         runner = ModelRunner(loaded.model, max_seqs=2, max_len=512, fixed_nodes=8)
         if device == "cpu":
-            runner.decoder = Decoder(loaded.model, fused=False, pack=False)
+            runner.decoder = Decoder(loaded.model, products="plain", fused=False)
         return runner
 
     tree_runner, plain_runner = runner(), runner()

@@ -118,7 +118,7 @@ def test_commit_keeps_the_root_and_the_accepted_path_in_order(seed):
                                    rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(4))
 def test_commit_in_one_kernel_call_equals_the_indexed_copies(seed, dtype):
     """On the CPU `commit` moves every layer's positions in one sssd._kernels call; it must
@@ -127,8 +127,8 @@ def test_commit_in_one_kernel_call_equals_the_indexed_copies(seed, dtype):
     rng = np.random.default_rng(300 + seed)
     caches = [SlotKVCache(num_layers=3, max_seqs=4, num_kv_heads=HEADS, max_len=MAX_LEN,
                           head_dim=HEAD_DIM, dtype=dtype) for _ in range(2)]
-    assert caches[0]._move_layout is not None
-    caches[1]._move_layout = None  # the indexed copies
+    assert caches[0].layout is not None
+    caches[1].layout = None  # the indexed copies
     generator = torch.Generator().manual_seed(seed)
     for buffer_index in range(6):
         filled = torch.randn(caches[0].keys[0].shape, generator=generator).to(dtype)
@@ -154,15 +154,15 @@ def test_commit_in_one_kernel_call_equals_the_indexed_copies(seed, dtype):
 def test_move_positions_refuses_mismatched_or_outside_moves():
     from sssd import _kernels
 
-    with pytest.raises(ValueError, match="one entry per move"):
-        _kernels.move_positions([], 2, 1, 8, 16, [0, 0], [3], [1, 2])
     cache = SlotKVCache(num_layers=1, max_seqs=2, num_kv_heads=HEADS, max_len=MAX_LEN,
-                        head_dim=HEAD_DIM, dtype=torch.float64)
+                        head_dim=HEAD_DIM, dtype=torch.float32)
+    with pytest.raises(ValueError, match="one target per source"):
+        _kernels.move_positions(cache.layout, [0, 0], [3])
     before = [buffer.clone() for buffer in (*cache.keys, *cache.values)]
-    for rows, sources, targets in (([2], [5], [1]), ([0], [cache.capacity], [1]),
-                                   ([0], [5], [-1])):
+    end = 2 * cache.capacity  # past the cache's last position
+    for sources, targets in (([end], [1]), ([5], [end + 3]), ([5], [-1])):
         with pytest.raises(IndexError, match="outside the cache"):
-            _kernels.move_positions(*cache._move_layout, rows, sources, targets)
+            _kernels.move_positions(cache.layout, sources, targets)
     # a tree node past the cache's end, as commit would hand it over
     cache.set_length(0, cache.capacity - 2)
     with pytest.raises(IndexError, match="outside the cache"):

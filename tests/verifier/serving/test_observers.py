@@ -3,11 +3,8 @@
 import numpy as np
 import pytest
 
-from sssd.verifier.engine.budget_policy import (
-    DEFAULT_ACCEPTANCE_PRIOR,
-    MeasuredBudget,
-    load_acceptance,
-)
+from sssd.verifier.engine.acceptance_estimates import DEFAULT_ACCEPTANCE_PRIOR, load_acceptance
+from sssd.verifier.engine.budget_policy import MeasuredBudget
 from sssd.verifier.engine.forward_profile import ForwardProfile
 from sssd.verifier.engine.output import StepOutput
 from sssd.verifier.serving.observers import SAVE_EVERY, AcceptanceSaver

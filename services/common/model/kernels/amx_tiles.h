@@ -1,4 +1,4 @@
-// The tile configuration of the kernels' AMX code (linear_amx.cc, attention_avx512.cc), palette
+// The tile configuration of the kernels' AMX code (linear_amx.cc, attention_scores_amx.cc), palette
 // 1: all eight tiles 16 rows of 64 bytes, what a tile of bfloat16 pairs or of float32 sums holds.
 // Each thread loads it (_tile_loadconfig) before its tile instructions.
 #pragma once

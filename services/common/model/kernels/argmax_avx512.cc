@@ -1,4 +1,4 @@
-// The first maximum of a row of logits with AVX-512 (argmax_rows, fused_ops.cc): one pass for
+// The first maximum of a row of logits with AVX-512 (argmax_rows, argmax.cc): one pass for
 // the maximum, sixteen values a vector in four independent chains, NaNs noted on the way; then
 // one for the first value equal to it, sixteen compared at once.
 //

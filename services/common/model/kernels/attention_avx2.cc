@@ -1,7 +1,7 @@
 // Tree attention with AVX2 and FMA for one (row, key head) pair of a step, for CPUs without
 // AVX-512 (AMD's Zen 2 and Zen 3, Intel's client cores): the group's queries of every node
 // against the row's cached keys and the step's own nodes. Same three passes as the AVX-512 one
-// (attention_avx512.cc), tiled for 16 registers of 8 lanes:
+// (tree_attention_avx512.cc), tiled for 16 registers of 8 lanes:
 // 1. scores: the keys of the (row, head) widened and transposed once into blocks [head_dim][8],
 //    so a tile of queries x 2 blocks multiplies one query element, broadcast, by the same element
 //    of 8 keys: each score a chain of fused multiply-adds over the head's dimensions in order,
@@ -16,15 +16,16 @@
 // identically on this path too. The order within a dot product is not the AVX-512 or the
 // portable one's, so the three paths may differ in the last bits; a CPU uses one throughout.
 //
-// Measured with Qwen2.5-Coder-1.5B's shapes on the 2-core Zen 3 EPYC (12 query heads on 2 key
-// heads of 128, bfloat16, 28 layers, 300 cached keys), the portable loop it replaces took 3.3 /
-// 11.7 / 23.7 / 47.4 ms for 1 / 4 / 8 / 16 nodes (linear in the nodes, 17 GFLOP/s at 8); this
-// one takes 2.3 / 4.8 / 8.3 / 15.3.
+// The keys and values are read through the cache's block table (kv_layout.h): keys into the
+// transposed blocks, values widened (or, in float32, copied) into one array per (row, head), in
+// position order. The speed against the portable loop it replaces: bench/results/
+// 2026-11-29-zen3-avx2-attention.
 //
-// Compiled with -mavx2 -mfma (CMakeLists.txt); called only on CPUs that have both, and there
-// only without AVX-512 unless set_attention_avx2 asks (the tests run it on every such CPU).
+// Compiled with -mavx2 -mfma (CMakeLists.txt); called only on CPUs that have both, where
+// cpu_paths.h chooses it (without AVX-512, or forced for the tests).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -67,8 +68,9 @@ inline __m256 exp8(__m256 x) {
 struct Scratch {
   std::vector<float> queries;  // [count][HD]
   std::vector<float> keys;     // [blocks][HD][8]: keys 8 b .. 8 b + 7, zeros past the last
-  std::vector<float> values;   // [length][HD] (bfloat16 values widened)
+  std::vector<float> values;   // [length][HD] the values in position order, as float32
   std::vector<float> scores;   // [count][stride]
+  std::vector<const void*> key_blocks, value_blocks;  // the (row, head)'s blocks (PagedHead)
 };
 
 // scores[i][8 b + lane] for queries [0, R) and key blocks [b0, b0 + KB): the chains over the
@@ -178,9 +180,8 @@ void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
       for (int64_t d = 0; d < HD; d += 8) _mm256_storeu_ps(target + d, load8<T>(source + d));
     }
   }
-  const int64_t offset = problem.cache_offset(s, g);
-  const T* keys = static_cast<const T*>(problem.key_cache) + offset;
-  const T* values = static_cast<const T*>(problem.value_cache) + offset;
+  const PagedHead head = paged_head(problem, s, g, length, scratch.key_blocks,
+                                    scratch.value_blocks);
 
   // 1. Scores: the keys transposed into blocks of 8 (zeros past the last), then the tiles.
   for (int64_t b = 0; b < blocks; ++b) {
@@ -191,7 +192,7 @@ void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
         for (int64_t d = 0; d < HD; ++d) block[d * 8 + lane] = 0.0f;
         continue;
       }
-      const T* key = keys + (8 * b + lane) * HD;
+      const T* key = head.key<T>(8 * b + lane);
       alignas(32) float wide[HD];
       for (int64_t d = 0; d < HD; d += 8) _mm256_store_ps(wide + d, load8<T>(key + d));
       for (int64_t d = 0; d < HD; ++d) block[d * 8 + lane] = wide[d];
@@ -217,17 +218,15 @@ void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
     }
   }
 
-  // 3. Values (widened once), then the output in the model's dtype.
-  const float* wide_values;
-  if constexpr (sizeof(T) == sizeof(float)) {
-    wide_values = reinterpret_cast<const float*>(values);
-  } else {
-    scratch.values.resize(length * HD);
-    for (int64_t e = 0; e < length * HD; e += 8) {
-      _mm256_storeu_ps(scratch.values.data() + e, load8<T>(values + e));
-    }
-    wide_values = scratch.values.data();
+  // 3. Values (widened once, in position order), then the output in the model's dtype.
+  scratch.values.resize(length * HD);
+  for (int64_t start = 0; start < length; start += head.block_size) {
+    const T* run = head.value<T>(start);
+    const int64_t elements = std::min(head.block_size, length - start) * HD;
+    float* target = scratch.values.data() + start * HD;
+    for (int64_t e = 0; e < elements; e += 8) _mm256_storeu_ps(target + e, load8<T>(run + e));
   }
+  const float* wide_values = scratch.values.data();
   using Rows = void (*)(const float*, int64_t, const float*, int64_t, float*);
   static constexpr Rows kRows[kWeighRows + 1] = {nullptr, weigh_rows<HD, 1>, weigh_rows<HD, 2>,
                                                  weigh_rows<HD, 3>};

@@ -1,5 +1,5 @@
 // Sixteen float32 values from a row of the model's dtype, for the files compiled with AVX-512
-// (attention_avx512.cc, argmax_avx512.cc); bfloat16 widens exactly (its bits are float32's top
+// (the AVX-512 attention, argmax_avx512.cc); bfloat16 widens exactly (its bits are float32's top
 // half).
 #pragma once
 

@@ -37,7 +37,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
-#include "fused_ops.h"
+#include "kernels.h"
 
 namespace sssd::kernels {
 namespace {

@@ -3,8 +3,8 @@
 // multiply-adds, reading the weights at the speed of memory.
 //
 // A decode step of a 1.5B model on a CPU is as long as it takes to read its weights once; the
-// library kernels read them at 33-42 GB/s on 4 rows and slower on 1 or 2, and they round a row
-// differently with the number of rows beside it. Here the weights are laid out so that a step
+// library kernels read them below the memory's speed, slower still on 1 or 2 rows, and they
+// round a row differently with the number of rows beside it (bench/results/2026-11-25). Here the weights are laid out so that a step
 // reads them as one stream, and each output is one sum in a fixed order:
 //
 // - the weight matrix [out_features, in_features] is prepacked in panels of 64 outputs (the
@@ -26,15 +26,15 @@
 // linear_f32 is the same for a float32 model: panels of [in_features][64] float32, one fused
 // multiply-add per input in order.
 //
-// Compiled with -mavx512f -mavx512bf16 (CMakeLists.txt); called only on CPUs that have them
-// (has_avx512_bf16, has_avx512_fma); elsewhere the decoder keeps oneDNN's products.
+// Compiled with -mavx512f -mavx512bf16 (CMakeLists.txt); called only where cpu_paths.h chooses
+// the avx512 panels (CPUs that have those instructions).
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
-#include "fused_ops.h"
+#include "kernels.h"
 #include "panels_loop.h"
 #include "prefetch.h"
 
@@ -126,12 +126,6 @@ constexpr AddInputs kAddInputs[kRowTile + 1] = {
     add_inputs<6>};
 
 }  // namespace
-
-bool has_avx512_bf16() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
-}
-
-bool has_avx512_fma() { return __builtin_cpu_supports("avx512f"); }
 
 int64_t packed_bf16_panels(int64_t out_features) { return (out_features + kPanel - 1) / kPanel; }
 

@@ -14,24 +14,22 @@
 //
 // A pass takes a whole panel (64 outputs, 8 registers of sums a row) and 1 or 2 rows: 16
 // independent sums for 2 rows, where each sum's own multiply-adds follow one another (two a pair,
-// each waiting for the last). With half a panel a pass (4 registers a row, 8 sums for 2 rows,
-// as before) the two FMA units waited on those chains; a whole panel spills a few sums to the
-// stack but keeps both units busy. The inputs are broadcast again for each vector of outputs
-// (from L1) rather than held, which leaves the registers to the sums. Measured with a scratch
-// program on the Zen 3 EPYC (2 threads, a 17920 x 1536 bfloat16 matrix, bit-identical results):
-// 1 / 2 / 4 / 8 / 16 rows 4.4 / 4.2 / 4.6 / 6.4 / 10.8 ms -> 3.7 / 3.6 / 3.7 / 5.4 / 9.4; 3 or 4
-// rows a pass spilled more than they saved (7.9 and 9.4 ms at 8 rows). The block (64 steps,
-// 16 KB) that the first pass read from memory stays in the core's first cache for the others.
+// each waiting for the last). With half a panel a pass the two FMA units wait on those chains; a
+// whole panel spills a few sums to the stack but keeps both units busy (3 or 4 rows a pass spill
+// more than they save; bench/results/2026-11-29-zen3-whole-panels). The inputs are broadcast
+// again for each vector of outputs (from L1) rather than held, which leaves the registers to the
+// sums. The block (64 steps, 16 KB) that the first pass read from memory stays in the core's
+// first cache for the others.
 //
-// Compiled with -mavx2 -mfma (CMakeLists.txt); called only on CPUs that have both
-// (has_avx2_fma), through the bindings' choice of build.
+// Compiled with -mavx2 -mfma (CMakeLists.txt); called only where cpu_paths.h chooses the avx2
+// panels (CPUs that have both).
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
-#include "fused_ops.h"
+#include "kernels.h"
 #include "numbers.h"
 #include "panels_loop.h"
 #include "prefetch.h"
@@ -136,9 +134,8 @@ void add_inputs(const float* x, int64_t x_stride, const float* panel, int64_t be
 
 // The same over the whole panel in one pass, as add_pairs: up to kRowTileF32Panel rows, 8
 // sums a row. Faster while the weights stream from memory (few rows), slower once the
-// arithmetic dominates, where the half-panel passes above reuse each loaded vector for 3 rows:
-// a scratch program's 8960 x 1536 float32 matrix at 1 / 2 / 4 / 8 / 16 rows took 4.4 / 4.2 /
-// 5.6 / 4.9 / 6.8 ms in half-panel passes, 3.5 / 3.3 / 3.5 / 4.8 / 7.6 in whole ones.
+// arithmetic dominates, where the half-panel passes above reuse each loaded vector for 3 rows
+// (bench/results/2026-11-29-zen3-whole-panels).
 template <int R>
 void add_inputs_whole(const float* x, int64_t x_stride, const float* panel, int64_t begin,
                       int64_t end, float* sums, bool first, int64_t pass, int64_t passes) {
@@ -170,7 +167,6 @@ constexpr AddInputs kAddInputsWhole[kRowTileF32Panel + 1] = {nullptr, add_inputs
 
 }  // namespace
 
-bool has_avx2_fma() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
 void linear_bf16_avx2(const void* x, const void* packed, const void* bias, void* out,
                       int64_t rows, int64_t in_features, int64_t out_features) {

@@ -1,5 +1,5 @@
-// Number formats and the attention problem shared by the portable kernels (fused_ops.cc) and
-// the AVX-512 and AVX2 attention (attention_avx512.cc, attention_avx2.cc).
+// Number formats shared by the portable kernels and the vector ones, and the entry points of
+// the attention paths (tree_attention_avx512.cc, prompt_attention_avx512.cc, attention_avx2.cc).
 #pragma once
 
 #include <algorithm>
@@ -7,7 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "fused_ops.h"
+#include "kernels.h"
+#include "kv_layout.h"
 
 namespace sssd::kernels::detail {
 // The conversions in an unnamed namespace: files compiled for different instruction sets include
@@ -75,37 +76,9 @@ inline float exp_nonpositive(float x) {
 
 }  // namespace
 
-// One call's attention problem (see attention() in fused_ops.h).
-struct AttentionProblem {
-  const void* q;
-  const void* key_cache;
-  const void* value_cache;
-  const int64_t* cache_lens;
-  const uint64_t* tree_bits;
-  void* out;
-  int64_t first_slot, num_seqs, num_nodes, heads, kv_heads, head_dim, capacity;
-  float scale;
-  Dtype dtype;
-  // Scores on the AMX tile unit (bfloat16 on CPUs that have it; attention_avx512.cc).
-  bool amx = false;
-  // Scores with AVX-512 BF16's dot products (bfloat16 on CPUs that have them and no AMX).
-  bool dpbf16 = false;
-
-  int64_t group() const { return heads / kv_heads; }
-  // Offset (in elements) of cache row (s, key head g) in either cache.
-  int64_t cache_offset(int64_t s, int64_t g) const {
-    return ((first_slot + s) * kv_heads + g) * capacity * head_dim;
-  }
-  // Whether node j of row s sees the key at cache position p (< cache_lens[s] + num_nodes).
-  bool visible(int64_t s, int64_t j, int64_t p) const {
-    const int64_t cached = cache_lens[s];
-    return p < cached || ((tree_bits[s * num_nodes + j] >> (p - cached)) & 1u);
-  }
-};
-
-// prompt_attention's AVX-512 body, for a problem of one row (first_slot: the prompt's slot) whose
-// num_nodes positions start the cache (cache_lens and tree_bits unused: each position sees the
-// ones before it); false when it does not apply (head_dim other than 64 or 128).
+// prompt_attention's AVX-512 body, for a problem of one row whose num_nodes positions follow its
+// cache_lens[0] cached ones (tree_bits unused: each position sees the ones before it); false when
+// it does not apply (head_dim other than 64 or 128).
 bool prompt_attention_avx512(const AttentionProblem& problem);
 
 // The AVX-512 attention for one (row, key head) pair; false when it does not apply (head_dim

@@ -6,10 +6,8 @@
 // take turns asking for the next block (into L2), a whole step's lines at a time (asking line
 // by line, two passes would split each 128-byte pair of lines that the L2 fetches together, and
 // the first would fetch it all: slower than not asking), and the weights stream while every
-// pass computes. Qwen2.5-Coder-1.5B's products on the AMX Xeon, ms on 8 / 12 / 20 rows,
-// medians of 7 rounds taking turns in one process: float32 365 / 387 / 512 -> 326 / 358 / 448,
-// bfloat16 (5 rounds) 240 / 290 / 437 -> 211 / 278 / 408; 1 and 4 rows (one pass) unchanged.
-// The AMX products (16 rows a pass, and little arithmetic per pass) showed no gain from it.
+// pass computes (bench/results/2026-11-27: faster from 8 rows on, unchanged at 1 and 4). The AMX
+// products (16 rows a pass, and little arithmetic per pass) showed no gain from it.
 #pragma once
 
 #include <immintrin.h>
@@ -28,14 +26,10 @@ constexpr int64_t kNearAhead = 1024;
 
 // Asks for the panel's four lines kStreamAhead past `step` into L2 and those kNearAhead past it
 // into L1. With a few rows each step costs more arithmetic than one, and the hardware
-// prefetcher alone fell behind (float32, Qwen2.5-1.5B's products on the AMX Xeon, 404 -> 297 ms
-// at 4 rows and 500 -> 367 at 8, asking 2 KB ahead into L1). Asking into L1 alone keeps no more
+// prefetcher alone fell behind (bench/results/2026-11-26). Asking into L1 alone keeps no more
 // lines in flight than the core's L1 fill buffers; asking into L2 from farther ahead keeps
-// memory busier. This scheme (with blocks of 64 steps, not 512-1024: a block then stays in L1
-// for the later passes) against the first, the two builds taking turns in one process on
-// bench/linear_panels.py's shapes, medians of 5 rounds, ms on 1 / 4 / 8 / 12 / 16 rows:
-// float32 269 / 317 / 371 / 392 / 444 -> 256 / 278 / 319 / 365 / 403; bfloat16 1 row
-// 165 -> 143, 4 and 8 rows unchanged.
+// memory busier (bench/results/2026-11-27), with blocks of 64 steps, not 512-1024, so that a
+// block stays in L1 for the later passes.
 inline void prefetch_stream(const void* step) {
   const char* at = static_cast<const char*>(step);
   for (int line = 0; line < 4; ++line) _mm_prefetch(at + kStreamAhead + 64 * line, _MM_HINT_T1);

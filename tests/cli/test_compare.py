@@ -1,4 +1,4 @@
-"""`sssd-generate`, one prompt in process: a real drafter service, the engine, the comparison."""
+"""`sssd-compare`, one prompt in process: a real drafter service, the engine, the comparison."""
 
 import subprocess
 import sys
@@ -7,7 +7,7 @@ import pytest
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sssd.cli.generate", *args],
+    return subprocess.run([sys.executable, "-m", "sssd.cli.compare", *args],
                           capture_output=True, text=True, timeout=300)
 
 

