@@ -157,6 +157,39 @@ void weigh_rows(const float* weights, int64_t stride, const float* values, int64
   }
 }
 
+// Keys [0, length) of `head` widened and transposed into blocks of [HD][8] (keys 8 b ..
+// 8 b + 7; zeros past the last).
+template <typename T, int64_t HD>
+void transpose_keys(const PagedHead& head, int64_t length, int64_t blocks, float* keys_t) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    float* block = keys_t + b * HD * 8;
+    const int64_t width = std::min<int64_t>(8, length - 8 * b);
+    for (int64_t lane = 0; lane < 8; ++lane) {
+      if (lane >= width) {
+        for (int64_t d = 0; d < HD; ++d) block[d * 8 + lane] = 0.0f;
+        continue;
+      }
+      const T* key = head.key<T>(8 * b + lane);
+      alignas(32) float wide[HD];
+      for (int64_t d = 0; d < HD; d += 8) _mm256_store_ps(wide + d, load8<T>(key + d));
+      for (int64_t d = 0; d < HD; ++d) block[d * 8 + lane] = wide[d];
+    }
+  }
+}
+
+// Values [0, length) of `head` as float32 [length][HD] in position order, in `out`.
+template <typename T, int64_t HD>
+const float* widen_values(const PagedHead& head, int64_t length, std::vector<float>& out) {
+  out.resize(length * HD);
+  for (int64_t start = 0; start < length; start += head.block_size) {
+    const T* run = head.value<T>(start);
+    const int64_t elements = std::min(head.block_size, length - start) * HD;
+    float* target = out.data() + start * HD;
+    for (int64_t e = 0; e < elements; e += 8) _mm256_storeu_ps(target + e, load8<T>(run + e));
+  }
+  return out.data();
+}
+
 template <typename T, int64_t HD>
 void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
   thread_local Scratch scratch;
@@ -184,20 +217,7 @@ void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
                                     scratch.value_blocks);
 
   // 1. Scores: the keys transposed into blocks of 8 (zeros past the last), then the tiles.
-  for (int64_t b = 0; b < blocks; ++b) {
-    float* block = keys_t + b * HD * 8;
-    const int64_t width = std::min<int64_t>(8, length - 8 * b);
-    for (int64_t lane = 0; lane < 8; ++lane) {
-      if (lane >= width) {
-        for (int64_t d = 0; d < HD; ++d) block[d * 8 + lane] = 0.0f;
-        continue;
-      }
-      const T* key = head.key<T>(8 * b + lane);
-      alignas(32) float wide[HD];
-      for (int64_t d = 0; d < HD; d += 8) _mm256_store_ps(wide + d, load8<T>(key + d));
-      for (int64_t d = 0; d < HD; ++d) block[d * 8 + lane] = wide[d];
-    }
-  }
+  transpose_keys<T, HD>(head, length, blocks, keys_t);
   score_all<HD>(queries, count, keys_t, blocks, problem.scale, scores, stride);
 
   // 2. Masked keys, maximum, exp.
@@ -219,14 +239,7 @@ void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
   }
 
   // 3. Values (widened once, in position order), then the output in the model's dtype.
-  scratch.values.resize(length * HD);
-  for (int64_t start = 0; start < length; start += head.block_size) {
-    const T* run = head.value<T>(start);
-    const int64_t elements = std::min(head.block_size, length - start) * HD;
-    float* target = scratch.values.data() + start * HD;
-    for (int64_t e = 0; e < elements; e += 8) _mm256_storeu_ps(target + e, load8<T>(run + e));
-  }
-  const float* wide_values = scratch.values.data();
+  const float* wide_values = widen_values<T, HD>(head, length, scratch.values);
   using Rows = void (*)(const float*, int64_t, const float*, int64_t, float*);
   static constexpr Rows kRows[kWeighRows + 1] = {nullptr, weigh_rows<HD, 1>, weigh_rows<HD, 2>,
                                                  weigh_rows<HD, 3>};

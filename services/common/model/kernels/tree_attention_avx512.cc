@@ -24,6 +24,48 @@
 namespace sssd::kernels::detail {
 namespace {
 
+// Pass 1 on the vector units: scores[i * stride + p] = scale * <query i, key p> for the `count`
+// widened queries (rows HD apart) and keys [0, length) of `head`, sixteen keys at a time, each
+// dot product a vector of partial sums, the sixteen vectors reduced together.
+template <typename T, int64_t HD>
+void vector_scores_of(const float* queries, int64_t count, const PagedHead& head,
+                      int64_t length, int64_t stride, __m512 scale, float* scores,
+                      Scratch& scratch) {
+  constexpr int64_t kChunks = HD / 16;
+  for (int64_t p0 = 0; p0 < length; p0 += 16) {
+    const int64_t block = std::min<int64_t>(16, length - p0);
+    const T* keys = head.key<T>(p0);  // 16 positions of one block of the cache
+    const float* block_keys;
+    if constexpr (sizeof(T) == sizeof(float)) {
+      block_keys = reinterpret_cast<const float*>(keys);
+    } else {
+      float* widened = scratch.keys.data();
+      for (int64_t k = 0; k < block * HD; k += 16) {
+        _mm512_storeu_ps(widened + k, load16<T>(keys + k));
+      }
+      block_keys = widened;
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      const float* query = queries + i * HD;
+      __m512 partial[16];
+      for (int64_t k = 0; k < 16; ++k) {
+        if (k >= block) {
+          partial[k] = _mm512_setzero_ps();
+          continue;
+        }
+        const float* key = block_keys + k * HD;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(query), _mm512_loadu_ps(key));
+        for (int64_t c = 1; c < kChunks; ++c) {
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + 16 * c), _mm512_loadu_ps(key + 16 * c),
+                                acc);
+        }
+        partial[k] = acc;
+      }
+      _mm512_storeu_ps(scores + i * stride + p0, _mm512_mul_ps(reduce16(partial), scale));
+    }
+  }
+}
+
 template <typename T, int64_t HD>
 void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
   constexpr int64_t kChunks = HD / 16;
@@ -57,38 +99,8 @@ void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
   // pass 2).
   if (amx) scores_amx(problem, s, g, head, length, stride, scores, scratch);
   if (dpbf16) scores_dpbf16(problem, s, g, head, length, stride, scores, scratch);
-  for (int64_t p0 = 0; vector_scores && p0 < length; p0 += 16) {
-    const int64_t block = std::min<int64_t>(16, length - p0);
-    const T* keys = head.key<T>(p0);  // 16 positions of one block of the cache
-    const float* block_keys;
-    if constexpr (sizeof(T) == sizeof(float)) {
-      block_keys = reinterpret_cast<const float*>(keys);
-    } else {
-      float* widened = scratch.keys.data();
-      for (int64_t k = 0; k < block * HD; k += 16) {
-        _mm512_storeu_ps(widened + k, load16<T>(keys + k));
-      }
-      block_keys = widened;
-    }
-    for (int64_t i = 0; i < count; ++i) {
-      const float* query = queries + i * HD;
-      __m512 partial[16];
-      for (int64_t k = 0; k < 16; ++k) {
-        if (k >= block) {
-          partial[k] = _mm512_setzero_ps();
-          continue;
-        }
-        const float* key = block_keys + k * HD;
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(query), _mm512_loadu_ps(key));
-        for (int64_t c = 1; c < kChunks; ++c) {
-          acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + 16 * c), _mm512_loadu_ps(key + 16 * c),
-                                acc);
-        }
-        partial[k] = acc;
-      }
-      _mm512_storeu_ps(scores + i * stride + p0, _mm512_mul_ps(reduce16(partial), scale));
-    }
-  }
+  if (vector_scores) vector_scores_of<T, HD>(queries, count, head, length, stride, scale,
+                                             scores, scratch);
 
   // 2. Masked keys, maximum, exp.
   for (int64_t i = 0; i < count; ++i) {
