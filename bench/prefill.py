@@ -3,22 +3,21 @@ engine and for vLLM's CPU build on the same model, dtype and machine.
 
     .venv/bin/python bench/prefill.py [--models smollm2,qwen-coder-1.5b] [--dtype bfloat16]
         [--lengths 128,256,512,1024,2000] [--repeats 3] [--rounds 2]
-        [--systems engine,engine-flash,vllm] [--out bench/results/prefill.jsonl]
+        [--systems engine,engine-whole,vllm] [--out bench/results/prefill.jsonl]
 
 Systems, each a process of its own; every round runs each system once, in turn, so that all
 of them see the same machine:
-- engine: the engine's own forward pass (its prompts' causal attention by
-  sssd._kernels.prompt_attention on CPUs with AVX-512);
-- engine-flash: the same with the prompts' attention by PyTorch's flash kernel (the engine
-  before its own kernel);
+- engine: the engine's own forward pass, prompts prefilled in chunks of its default
+  max_num_batched_tokens (a chunk's attention: chains of tree nodes, kernel_paths'
+  tree_attention path);
+- engine-whole: the same with each prompt in one chunk (what chunking costs a lone prompt);
 - vllm: vLLM's CPU build (.venv-vllm), `LLM.generate` with max_tokens 1, every core.
 A measurement is one request of `length` random token ids (new ones each time, the same for
 every system: no prefix cache can answer them) to its first token, the median of --repeats,
 after a warm-up prompt of every length. Where a system's rounds differ, the median of rounds.
 
 One JSON line per (model, length, system), with the speed against vLLM where it ran and, for
-the engine, how many layer calls its own prompt kernel answered (0 for engine-flash; 0 for both
-on a CPU without AVX-512, where the two are the same).
+the engine, the attention path its chunks ran.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from bench.engine_speed import VLLM_PYTHON, cpu_name, model_file
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "prefill-result: "
-SYSTEMS = ("engine", "engine-flash", "vllm")
+SYSTEMS = ("engine", "engine-whole", "vllm")
 
 
 def prompts(lengths: list[int], repeats: int, vocab: int = 30_000) -> dict[int, list[list[int]]]:
@@ -55,8 +54,10 @@ def engine_worker(args: argparse.Namespace, cases: dict[int, list[list[int]]]):
     from sssd.verifier.factory import build_engine
 
     loaded = load_causal_lm(args.model_file, args.dtype)
+    chunk = {"max_num_batched_tokens": max(cases)} if args.system == "engine-whole" else {}
     engine = build_engine(EngineConfig(mode="ar", dtype=args.dtype, max_batch_size=1,
-                                       max_len=max(cases) + 8), loaded)
+                                       max_len=max(cases) + 8, enable_prefix_caching=False,
+                                       **chunk), loaded)
 
     def first_token(ids: list[int]) -> None:
         engine.generate([ids], 1)
@@ -76,15 +77,6 @@ def vllm_worker(args: argparse.Namespace, cases: dict[int, list[list[int]]]):
 
 
 def worker(args: argparse.Namespace) -> None:
-    from sssd.common.model import kernel_paths
-
-    # engine-flash: the prompts' attention by PyTorch, as before the engine's own kernel
-    forced = {"prompt_attention": "none"} if args.system == "engine-flash" else {}
-    with kernel_paths.forced(**forced):
-        measure(args)
-
-
-def measure(args: argparse.Namespace) -> None:
     cases = {int(n): p for n, p in json.loads(Path(args.prompts_file).read_text()).items()}
     # run(ids): one prompt to its first token; runner: the engine's model runner
     run, runner = vllm_worker(args, cases) if args.system == "vllm" \
@@ -99,8 +91,8 @@ def measure(args: argparse.Namespace) -> None:
             run(ids)
             seconds.append(time.perf_counter() - start)
         result[length] = statistics.median(seconds)
-    print(RESULT + json.dumps({"seconds": result, "prompt_kernel":
-                               None if runner is None else runner.prompt_kernel}), flush=True)
+    print(RESULT + json.dumps({"seconds": result, "attention":
+                               None if runner is None else runner.attention_path}), flush=True)
 
 
 def run_system(args: argparse.Namespace, system: str, model: str, work: Path,
@@ -182,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
                                          for r in rounds[system]],
                            "cpu": cpu_name()}
                     if system != "vllm":  # which attention the engine's prompts ran
-                        row["prompt_kernel"] = rounds[system][0]["prompt_kernel"]
+                        row["attention"] = rounds[system][0]["attention"]
                     if "vllm" in medians:
                         row["speed_vs_vllm"] = round(medians["vllm"] / medians[system], 2)
                     print(json.dumps(row), flush=True)

@@ -114,7 +114,8 @@ def to_chunk(message: generate_pb2.GenerateResponse) -> Chunk:
     if message.HasField("totals"):
         t = message.totals
         totals = Totals(t.prompt_tokens, t.completion_tokens, t.time_to_first_token_s,
-                        t.total_s, t.tokens_per_second, t.mean_accepted_length, t.finish_reason)
+                        t.total_s, t.tokens_per_second, t.mean_accepted_length, t.finish_reason,
+                        t.cached_tokens)
     return Chunk(message.text, list(message.token_ids),
                  step.accepted_tokens if step else None, step.budget if step else None,
                  step.draft_ms if step else None, step.verify_ms if step else None, totals)

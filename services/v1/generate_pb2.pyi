@@ -257,6 +257,7 @@ class GenerateTotals(_message.Message):
     TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     completion_tokens: _builtins.int
     time_to_first_token_s: _builtins.float
@@ -271,6 +272,8 @@ class GenerateTotals(_message.Message):
     """Tokens emitted per verification step (accepted + 1), averaged over the request's steps."""
     finish_reason: _builtins.str
     """"stop" (EOS or a stop string) or "length" (max_tokens or the context window)."""
+    cached_tokens: _builtins.int
+    """Leading prompt tokens whose keys and values came from the prefix cache."""
     def __init__(
         self,
         *,
@@ -281,10 +284,11 @@ class GenerateTotals(_message.Message):
         tokens_per_second: _builtins.float = ...,
         mean_accepted_length: _builtins.float = ...,
         finish_reason: _builtins.str = ...,
+        cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "mean_accepted_length", b"mean_accepted_length", "prompt_tokens", b"prompt_tokens", "time_to_first_token_s", b"time_to_first_token_s", "tokens_per_second", b"tokens_per_second", "total_s", b"total_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "mean_accepted_length", b"mean_accepted_length", "prompt_tokens", b"prompt_tokens", "time_to_first_token_s", b"time_to_first_token_s", "tokens_per_second", b"tokens_per_second", "total_s", b"total_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -8,6 +8,7 @@ import logging
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from sssd import _kernels
@@ -16,10 +17,10 @@ from sssd.common.model.loader import LoadedModel, load_causal_lm
 from sssd.common.model.tree_batch import MAX_TREE_BITS_NODES
 from sssd.verifier.engine.acceptance_estimates import DEFAULT_ACCEPTANCE_PRIOR, load_acceptance
 from sssd.verifier.engine.budget_policy import BudgetPolicy, FixedBudget, MeasuredBudget, RuleBudget
-from sssd.verifier.engine.config import EngineConfig
+from sssd.verifier.engine.config import EngineConfig, parse_memory
 from sssd.verifier.engine.engine import Engine
 from sssd.verifier.engine.forward_profile import ForwardProfile, profile_forward, profiled_batches
-from sssd.verifier.engine.machine_probe import machine_load
+from sssd.verifier.engine.machine_probe import cgroup_room, machine_load
 from sssd.verifier.engine.model_runner import ModelRunner
 from sssd.verifier.proposers import make_proposer
 
@@ -115,12 +116,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
     answer's text (serving: streamed text and stop strings); off, it skips that work."""
     loaded = loaded or load_causal_lm(config.model, config.dtype, config.device)
     check_loaded_device(config, loaded)
-    on_gpu = next(loaded.model.parameters()).device.type == "cuda"
-    runner = ModelRunner(loaded.model, max_seqs=config.max_batch_size, max_len=config.max_len,
-                         attention=config.attention, model_impl=config.model_impl,
-                         # every verification at the shape of the largest tree (see ModelRunner)
-                         fixed_nodes=min(config.max_budget, MAX_TREE_BITS_NODES) if on_gpu
-                         else None)
+    runner = build_runner(config, loaded)
     tokenizer = loaded.tokenizer
 
     def decode(ids: list[int]) -> str:
@@ -135,4 +131,72 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
         proposer=proposer,
         detokenize=decode if detokenize else None,
         max_batch_size=config.max_batch_size,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_prefix_caching=config.enable_prefix_caching,
     )
+
+
+# The most slots of the runner's own (its profile's batch sizes; the engine never uses them).
+PROFILE_SLOTS = 8
+
+
+def build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
+    """The model runner of `config`: its context window (`context_window`) and its KV cache
+    sized by memory (`kv_cache_blocks`)."""
+    on_gpu = next(loaded.model.parameters()).device.type == "cuda"
+    max_len = context_window(config, loaded.model)
+    block_size = config.kv_block_size
+    num_blocks = kv_cache_blocks(config, loaded.model, max_len)
+    return ModelRunner(loaded.model, max_seqs=min(config.max_batch_size, PROFILE_SLOTS),
+                       max_len=max_len,
+                       attention=config.attention, model_impl=config.model_impl,
+                       # every verification at the shape of the largest tree (see ModelRunner)
+                       fixed_nodes=min(config.max_budget, MAX_TREE_BITS_NODES) if on_gpu
+                       else None, num_blocks=num_blocks, block_size=block_size)
+
+
+def context_window(config: EngineConfig, model: torch.nn.Module) -> int:
+    """A sequence's window: max_len, else the model's own (max_position_embeddings)."""
+    if config.max_len is not None:
+        return config.max_len
+    return int(getattr(model.config, "max_position_embeddings", None) or 2048)
+
+
+def kv_cache_blocks(config: EngineConfig, model: torch.nn.Module, max_len: int) -> int:
+    """The KV cache's blocks for config.kv_cache_memory (engine/config.py's parse_memory):
+    bytes, a fraction of the memory available, or auto (max_batch_size windows, at most a
+    quarter of what is available). A cache of less than one window shortens the window (the
+    engine's max_len), with a warning."""
+    model_config = model.config
+    head_dim = getattr(model_config, "head_dim", None) or \
+        model_config.hidden_size // model_config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * \
+        head_dim * element
+    block_bytes = per_token * config.kv_block_size
+    window_blocks = -(-(max_len + MAX_TREE_BITS_NODES) // config.kv_block_size)
+    memory = parse_memory(config.kv_cache_memory)
+    available = available_memory(next(model.parameters()).device)
+    if memory is None:
+        wanted = config.max_batch_size * window_blocks * block_bytes
+        memory = min(wanted, int(AUTO_MEMORY_FRACTION * available))
+    elif isinstance(memory, float):
+        memory = int(memory * available)
+    blocks = memory // block_bytes
+    if blocks < window_blocks:
+        logger.warning("a KV cache of %.2f GB holds %d positions, less than one window of %d: "
+                       "sequences end there", memory / 1e9, blocks * config.kv_block_size,
+                       max_len)
+    return max(blocks, -(-(16 + MAX_TREE_BITS_NODES) // config.kv_block_size))
+
+
+AUTO_MEMORY_FRACTION = 0.25  # of the memory available: kv_cache_memory auto's most
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the cache now: the GPU's, or the machine's within the container's limit."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    available = int(psutil.virtual_memory().available)
+    room = cgroup_room()
+    return available if room is None else min(available, room)

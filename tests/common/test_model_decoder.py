@@ -56,7 +56,7 @@ def compare_runners(model, prompts, variants, rng, steps=((2, 8), (2, 1), (1, 40
         # Keep a random path, as the engine does, so that later steps see a ragged cache.
         accepted = [root_path(tree, int(rng.integers(0, 4))) for tree in trees]
         for runner in [reference] + runners:
-            runner.commit(accepted)
+            runner.commit_slots(accepted)
 
 
 def root_path(tree, length):
@@ -138,38 +138,14 @@ def test_an_unimplemented_architecture_falls_back_with_a_log_line(caplog):
 
 
 def test_a_step_that_does_not_fit_is_refused(target_model_fp32):
-    # The engine never asks for this (it checks each slot's room first): the decoder refuses
-    # rather than write past the cache.
-    runner = ModelRunner(target_model_fp32.model, max_seqs=1, max_len=128, model_impl="sssd")
+    # The engine never asks for this (its scheduler gives each row the blocks its tree needs
+    # first): the runner refuses rather than write past the row's blocks.
+    runner = ModelRunner(target_model_fp32.model, max_seqs=1, max_len=128, model_impl="sssd",
+                         num_blocks=8)
     runner.prefill(0, list(range(10, 110)))
-    with pytest.raises(ValueError, match="exceed"):
+    with pytest.raises(ValueError, match="8 blocks hold 128 positions, the step writes up to "
+                       "140"):
         runner.verify(random_trees(np.random.default_rng(0), 1, 40, 1000))
-
-
-def test_a_prompt_attends_causally_over_its_own_keys_without_the_square_of_scores():
-    """A prompt past the tree kernel's 64 nodes, where sssd._kernels.prompt_attention does not
-    apply, takes PyTorch's flash kernel (is_causal), which never holds its n x n scores; it
-    equals the masked two-product attention it replaced, and only a single chain written from
-    position 0 takes it."""
-    from sssd.common.model.torch_ops import grouped_attention, prompt_attention
-    from sssd.common.model.tree_batch import build_tree_batch, chain_tree
-
-    prompt = chain_tree(np.arange(3, 303))
-    batch = build_tree_batch([prompt], [0], torch.float32)
-    assert batch.is_prompt
-    assert not build_tree_batch([prompt], [5], torch.float32).is_prompt  # after cached tokens
-    assert not build_tree_batch([prompt, prompt], [0, 0], torch.float32).is_prompt
-    branching = DraftTree(np.arange(3, 103, dtype=np.int32),
-                          np.array([-1] + [0] * 99, dtype=np.int32))
-    assert not build_tree_batch([branching], [0], torch.float32).is_prompt
-
-    torch.manual_seed(0)
-    n = prompt.num_nodes
-    q = torch.randn(1, 6, n, 32)
-    keys, values = torch.randn(1, 2, n, 32), torch.randn(1, 2, n, 32)
-    mask = batch.attention_mask[..., :n]  # the kv_len past n is padding nobody attends
-    expected = grouped_attention(q, keys, values, mask, 0.2)
-    assert (prompt_attention(q, keys, values, 0.2) - expected).abs().max() < 1e-5
 
 
 def test_a_bfloat16_model_where_onednn_cannot_prepack_it_gets_panels_or_plain_weights(

@@ -23,8 +23,6 @@ def expected_paths() -> dict[str, dict[str, str]]:
         "attention_scores": {
             "float32": "avx512" if avx512 else "none",
             "bfloat16": ("amx" if amx else "dpbf16" if bf16 else "avx512") if avx512 else "none"},
-        "prompt_attention": dict.fromkeys(("float32", "bfloat16"),
-                                          "avx512" if avx512 else "none"),
         "panels": {"float32": "avx512" if avx512 else "avx2" if avx2 else "none",
                    "bfloat16": "avx512" if bf16 else "avx2" if avx2 else "none"},
         "argmax": dict.fromkeys(("float32", "bfloat16"), "avx512" if avx512 else "portable"),
@@ -46,7 +44,7 @@ def test_every_kernel_is_named_with_the_path_this_cpu_runs():
 
 OVERRIDES = [("tree_attention", "portable"), ("tree_attention", "avx2"),
              ("attention_scores", "avx512"), ("attention_scores", "dpbf16"),
-             ("attention_scores", "amx"), ("prompt_attention", "none"), ("panels", "avx2"),
+             ("attention_scores", "amx"), ("panels", "avx2"),
              ("argmax", "portable"), ("products", "onednn"), ("products", "plain")]
 
 

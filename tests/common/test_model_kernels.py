@@ -1,9 +1,9 @@
 """sssd._kernels, the forward pass's CPU operations, against float64 references computed here
 with PyTorch: tree attention on each of its paths (AVX-512 with its scores on the vector units,
-AVX-512 BF16's dot products or the AMX tile unit, AVX2, portable), a prompt's causal attention
-whole and in chunks, the row operations, the rotary cache write, the argmax, and the argument
-checks; every attention read through block tables (kv_layout.h), whose blocks may lie anywhere
-in the cache without changing a bit of the result."""
+AVX-512 BF16's dot products or the AMX tile unit, AVX2, portable), a prompt's causal attention as
+chains in rows, the row operations, the rotary cache write, the argmax, and the argument checks;
+every attention read through block tables (kv_layout.h), whose blocks may lie anywhere in the
+cache without changing a bit of the result."""
 
 import numpy as np
 import pytest
@@ -24,7 +24,7 @@ PATHS = {
     "dpbf16": dict(tree_attention="avx512", attention_scores="dpbf16"),
     "avx512": dict(tree_attention="avx512", attention_scores="avx512"),
     "avx2": dict(tree_attention="avx2"),
-    "portable": dict(tree_attention="portable", prompt_attention="none", argmax="portable"),
+    "portable": dict(tree_attention="portable", argmax="portable"),
 }
 CAN_RUN = {"amx": FEATURES["amx_bf16"], "dpbf16": FEATURES["avx512_bf16"],
            "avx512": FEATURES["avx512"], "avx2": FEATURES["avx2_fma"], "portable": True}
@@ -199,6 +199,42 @@ def test_a_querys_result_depends_neither_on_its_neighbours_nor_on_the_blocks(pat
     assert torch.equal(out[0, 9], later[0, 0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_prompt_as_rows_of_chains_gives_each_position_what_decoding_gives_it(path, dtype):
+    """A prompt is prefilled as chains of up to 64 tokens a row, each row after the ones before
+    it, in one call, however it is cut into chunks; every position comes out the same bits as a
+    one-node step at that position: a position's keys and values are the same whether it was
+    prefilled (whole or in chunks) or decoded, which makes the prefix cache exact."""
+    skip_unless_it_applies(path, dtype)
+    generator = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, length = 9, 3, 64, 150
+    # blocks for the last row's padding nodes past the prompt too
+    keys = torch.randn(1, kv_heads, length + 64, head_dim, generator=generator).to(dtype)
+    values = torch.randn(1, kv_heads, length + 64, head_dim, generator=generator).to(dtype)
+    q = torch.randn(length, heads, head_dim, generator=generator).to(dtype)
+    cache = Paged(keys, values, 16, generator)
+
+    def as_rows(start, end, width=64):
+        """Positions [start, end) as chains of `width`, in one attention call."""
+        starts = list(range(start, end, width))
+        cache_rows = Paged.__new__(Paged)
+        cache_rows.layout = cache.layout
+        cache_rows.tables = cache.tables.expand(len(starts), -1).contiguous()
+        rows_q = torch.zeros(len(starts), width, heads, head_dim, dtype=dtype)
+        for r, first in enumerate(starts):
+            rows_q[r, :min(width, end - first)] = q[first:min(first + width, end)]
+        chain = [(1 << (j + 1)) - 1 if j < 63 else (1 << 64) - 1 for j in range(width)]
+        out = run_attention(rows_q, cache_rows, starts, [chain] * len(starts), 0.125)
+        return torch.cat([out[r, :min(width, end - first)] for r, first in enumerate(starts)])
+
+    decoded = torch.cat([run_attention(q[p:p + 1].unsqueeze(0).contiguous(), cache, [p], [[1]],
+                                       0.125)[0] for p in range(length)])
+    assert torch.equal(as_rows(0, length), decoded)
+    for cuts in ((0, 37, 100, length), (0, 64, 65, length), (0, 1, length)):
+        pieces = [as_rows(a, b) for a, b in zip(cuts, cuts[1:])]
+        assert torch.equal(torch.cat(pieces), decoded), cuts
+
+
 def test_attention_and_its_rows_refuse_what_they_cannot_compute():
     generator = torch.Generator().manual_seed(0)
     keys = torch.zeros(1, 2, 128, 64)
@@ -222,103 +258,6 @@ def test_attention_and_its_rows_refuse_what_they_cannot_compute():
         _kernels.KvLayout([keys.data_ptr()], [keys.data_ptr()], 1, 24, 1, 64, 0)
     with pytest.raises(ValueError, match="dtype code"):
         _kernels.rms_norm(q.data_ptr(), q.data_ptr(), q.data_ptr(), 1, 64, 1e-5, 2)
-
-
-def run_prompt_attention(q, cache, start, scale):
-    """q [n, heads, head_dim]: positions [start, start + n) of row 0 over its keys [0, start +
-    n); None where the kernel does not apply."""
-    length, heads, head_dim = q.shape
-    out = torch.full((length, heads * head_dim), float("nan"), dtype=q.dtype)
-    rows = cache.rows([start], length)
-    done = _kernels.prompt_attention(cache.layout, 0, rows, q.data_ptr(), out.data_ptr(), heads,
-                                     scale)
-    return out.view(length, heads, head_dim) if done else None
-
-
-def causal_reference(q, keys, values, scale):
-    """float64 causal attention of q [length, heads, head_dim] over keys [kv_heads, length, d]."""
-    length, heads, _ = q.shape
-    group = heads // keys.shape[0]
-    keys = keys[:, :length].double().repeat_interleave(group, 0)  # [heads, n, d]
-    values = values[:, :length].double().repeat_interleave(group, 0)
-    scores = torch.einsum("jhd,hpd->hjp", q.double(), keys) * scale
-    hidden = torch.ones(length, length, dtype=torch.bool).triu(1)
-    weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
-    return torch.einsum("hjp,hpd->jhd", weights, values)
-
-
-@pytest.fixture(params=["amx", "avx512"])
-def prompt_path(request):
-    """The prompt kernel's two ways to its scores: the AMX tile unit (bfloat16, where the CPU
-    has one) or the AVX-512 vector loop."""
-    if not CAN_RUN[request.param]:
-        pytest.skip(f"this CPU cannot run the {request.param} path")
-    with kernel_paths.forced(attention_scores=request.param):
-        yield request.param
-
-
-AVX512 = pytest.mark.skipif(not FEATURES["avx512"], reason="prompt_attention needs AVX-512")
-
-
-@AVX512
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", [(9, 3, 64), (12, 2, 128), (4, 4, 64)],
-                         ids=["smollm2", "qwen2.5-1.5b", "no-groups"])
-@pytest.mark.parametrize("length", [1, 17, 65, 300])
-def test_prompt_attention_matches_the_float64_reference(dtype, shape, length, prompt_path):
-    skip_unless_it_applies(prompt_path, dtype)
-    heads, kv_heads, head_dim = shape
-    generator = torch.Generator().manual_seed(length)
-    keys = torch.randn(1, kv_heads, 320, head_dim, generator=generator).to(dtype)
-    values = torch.randn(1, kv_heads, 320, head_dim, generator=generator).to(dtype)
-    q = torch.randn(length, heads, head_dim, generator=generator).to(dtype)
-    out = run_prompt_attention(q, Paged(keys, values, 16, generator), 0, head_dim ** -0.5)
-    expected = causal_reference(q, keys[0], values[0], head_dim ** -0.5)
-    assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype]
-
-
-@AVX512
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_prompt_positions_result_depends_on_its_keys_alone(dtype, prompt_path):
-    """Position j gives the same bits in a prompt of any length past j, in a chunk of the
-    prompt that starts anywhere before it (chunked prefill, a prefix found in the cache), and
-    whatever blocks hold the keys: a prompt's KV cache depends on its tokens alone."""
-    skip_unless_it_applies(prompt_path, dtype)
-    generator = torch.Generator().manual_seed(3)
-    keys = torch.randn(1, 3, 400, 64, generator=generator).to(dtype)
-    values = torch.randn(1, 3, 400, 64, generator=generator).to(dtype)
-    q = torch.randn(400, 9, 64, generator=generator).to(dtype)
-    one_block = Paged(keys, values, 400, generator, spare_blocks=0)
-    full = run_prompt_attention(q, one_block, 0, 0.125)
-    for length in (1, 31, 32, 33, 130, 399):
-        part = run_prompt_attention(q[:length].contiguous(), one_block, 0, 0.125)
-        assert torch.equal(part, full[:length])
-    paged = Paged(keys, values, 16, generator)
-    for start, end in ((0, 400), (16, 400), (17, 40), (128, 129), (399, 400), (250, 333)):
-        chunk = run_prompt_attention(q[start:end].contiguous(), paged, start, 0.125)
-        assert torch.equal(chunk, full[start:end]), (start, end)
-
-
-def test_prompt_attention_declines_or_refuses_what_it_cannot_compute():
-    generator = torch.Generator().manual_seed(0)
-    q = torch.zeros(8, 4, 64)
-    out = torch.zeros(8, 256)
-    small = Paged(torch.zeros(1, 1, 16, 32), torch.zeros(1, 1, 16, 32), 16, generator)
-    rows = small.rows([0], 8)
-    assert _kernels.prompt_attention(small.layout, 0, rows, q.data_ptr(), out.data_ptr(), 2,
-                                     0.125) is False  # head_dim 32
-    cache = Paged(torch.zeros(1, 2, 16, 64), torch.zeros(1, 2, 16, 64), 16, generator)
-    rows = cache.rows([0], 8)
-    with kernel_paths.forced(prompt_attention="none"):
-        assert _kernels.prompt_attention(cache.layout, 0, rows, q.data_ptr(), out.data_ptr(),
-                                         4, 0.125) is False
-    with pytest.raises(ValueError, match="multiple of kv_heads"):
-        _kernels.prompt_attention(cache.layout, 0, rows, q.data_ptr(), out.data_ptr(), 3, 0.125)
-    two = Paged(torch.zeros(2, 2, 16, 64), torch.zeros(2, 2, 16, 64), 16, generator)
-    two_rows = two.rows([0, 0], 4)
-    with pytest.raises(ValueError, match="one row"):
-        _kernels.prompt_attention(two.layout, 0, two_rows, q.data_ptr(), out.data_ptr(), 4,
-                                  0.125)
 
 
 def transformers_rms_norm(x, weight, eps):

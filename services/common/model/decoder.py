@@ -44,17 +44,20 @@ from sssd.common.model.impls import MODEL_IMPLS
 from sssd.common.model.kernel_paths import DTYPE_CODES
 from sssd.common.model.kv_cache import SlotKVCache
 from sssd.common.model.linear import MIN_PRODUCT_ROWS, Linear
+from sssd.common.model.paged_kv_cache import PagedKVCache
 from sssd.common.model.torch_ops import (
     efficient_attention,
     grouped_attention,
     path_attention,
-    prompt_attention,
     rms_norm,
     rotate,
 )
 from sssd.common.model.tree_batch import TreeBatch
 
 FAMILIES = ("llama", "qwen2")
+# The verifier's paged cache, or the speculator's slots: both take a segment's writes and give
+# its rows' keys (begin_segment, update, segment_tables, segment_kv, capacity, layout).
+KVCache = PagedKVCache | SlotKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +68,10 @@ class Segment:
     slots [first_slot, first_slot + its batch size)."""
 
     batch: TreeBatch
-    first_slot: int
-    logits_to_keep: int = 0  # logits for each row's last positions only (0: every node)
+    first_slot: int  # a slot cache's first row (a paged cache's rows carry their block tables)
+    # The tokens whose logits are wanted, as indices into the segment's [num_seqs * num_nodes]
+    # tokens (row r's node j: r * num_nodes + j); None: every node's.
+    logit_tokens: tuple[int, ...] | None = None
     # The rows every operation of the PyTorch forward runs on (at least the segment's tokens;
     # the rest are padding): a fixed shape makes each row's result independent of the batch
     # where the kernels choose their algorithm by shape (CUDA; see ModelRunner.fixed_nodes).
@@ -201,49 +206,48 @@ class Decoder:
         return None
 
     def forward_segments(self, segments: Sequence[Segment],
-                         cache: SlotKVCache) -> list[torch.Tensor]:
-        """One forward pass over the segments (verification rows and prompts together): writes
-        every node's keys and values at its segment's write positions and returns each
-        segment's logits [num_seqs, num_nodes or logits_to_keep, vocab_size] in the model's
-        dtype. Each segment gets the logits a pass of its own would give, to the bit, since a
-        row's products and attention do not depend on the rows beside it (see _layers_fused);
-        the matrix products read the weights once for all of them."""
+                         cache: KVCache) -> list[torch.Tensor]:
+        """One forward pass over the segments (verification rows and prefill chunks together):
+        writes every node's keys and values at its segment's write positions and returns each
+        segment's logits in the model's dtype: [num_seqs, num_nodes, vocab_size], or
+        [len(logit_tokens), vocab_size] for a segment that names them. Each segment gets the
+        logits a pass of its own would give, to the bit, since a row's products and attention
+        do not depend on the rows beside it (see _layers_fused); the matrix products read the
+        weights once for all of them."""
         if not self.fused:  # the PyTorch operations take one step at a time
             return [self._forward_unfused(segment, cache) for segment in segments]
         x = self._layers_fused(segments, cache)
         kept, offset = [], 0  # the rows that need logits, from every segment
         for segment in segments:
-            num_seqs, num_nodes = segment.batch.input_ids.shape
-            rows = x[offset:offset + num_seqs * num_nodes].view(num_seqs, num_nodes, -1)
-            if segment.logits_to_keep:
-                rows = rows[:, -segment.logits_to_keep:]
-            kept.append(rows.reshape(-1, rows.shape[-1]))
-            offset += num_seqs * num_nodes
+            num_tokens = segment.batch.input_ids.numel()
+            kept.append(_wanted(x[offset:offset + num_tokens], segment))
+            offset += num_tokens
         x = kept[0] if len(kept) == 1 else torch.cat(kept)
         logits = self.head(x)
         outputs, offset = [], 0
         for segment, rows in zip(segments, kept):
-            num_seqs = segment.batch.input_ids.shape[0]
-            outputs.append(logits[offset:offset + rows.shape[0]].view(num_seqs, -1,
-                                                                      self.vocab_size))
+            wanted = logits[offset:offset + rows.shape[0]]
+            if segment.logit_tokens is None:
+                wanted = wanted.view(segment.batch.input_ids.shape[0], -1, self.vocab_size)
+            outputs.append(wanted)
             offset += rows.shape[0]
         return outputs
 
-    def _forward_unfused(self, segment: Segment, cache: SlotKVCache) -> torch.Tensor:
+    def _forward_unfused(self, segment: Segment, cache: KVCache) -> torch.Tensor:
         batch = segment.batch
         num_seqs, num_nodes = batch.input_ids.shape
-        cache.begin_step(segment.first_slot, num_seqs, batch.write_positions, batch.kv_len)
+        cache.begin_segment(segment)
         num_tokens = num_seqs * num_nodes
         x = self._layers(batch, cache, max(segment.num_rows, num_tokens),  # [rows, hidden]
                          segment.by_path)
-        if segment.logits_to_keep:
-            x = x[:num_tokens].view(num_seqs, num_nodes, -1)[:, -segment.logits_to_keep:]
-            x = x.reshape(-1, x.shape[-1])
-        kept = num_seqs * (segment.logits_to_keep or num_nodes)
+        if segment.logit_tokens is not None:
+            x = _wanted(x[:num_tokens], segment)
         logits = self.head(rms_norm(x, self.norm, self.eps))  # padding rows too: one shape
-        return logits[:kept].view(num_seqs, -1, self.vocab_size)
+        if segment.logit_tokens is not None:
+            return logits
+        return logits[:num_tokens].view(num_seqs, num_nodes, self.vocab_size)
 
-    def hidden_states(self, nodes: MaskedNodes, cache: SlotKVCache) -> torch.Tensor:
+    def hidden_states(self, nodes: MaskedNodes, cache: KVCache) -> torch.Tensor:
         """The final norm of the hidden states [num_seqs, num_nodes, hidden_size] of a step of
         masked nodes, by the PyTorch operations with this decoder's products (its keys and
         values written where `cache.begin_step` put them); `head` gives the logits of the rows
@@ -256,6 +260,8 @@ class Decoder:
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The output head over normed rows x [num_rows, hidden_size]: [num_rows, vocab]."""
         num_rows = x.shape[0]
+        if num_rows == 0:  # a segment (a prompt chunk) that needs no logits
+            return x.new_empty(0, self.vocab_size)
         if num_rows < self.min_rows:
             x = torch.cat([x, x[-1:].expand(self.min_rows - num_rows, -1)])
         return self.lm_head(x)[:num_rows]
@@ -271,7 +277,7 @@ class Decoder:
             self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()
         return self._cos, self._sin
 
-    def _layers(self, batch: TreeBatch | MaskedNodes, cache: SlotKVCache, num_rows: int,
+    def _layers(self, batch: TreeBatch | MaskedNodes, cache: KVCache, num_rows: int,
                 by_path: bool = False) -> torch.Tensor:
         """Every layer as PyTorch operations, the products and norms on `num_rows` rows (the
         batch's tokens, then padding that repeats the last token and attends to nothing), the
@@ -325,7 +331,7 @@ class Decoder:
             x = x + layer.down(F.silu(gate) * up)
         return x
 
-    def _layers_fused(self, segments: Sequence[Segment], cache: SlotKVCache) -> torch.Tensor:
+    def _layers_fused(self, segments: Sequence[Segment], cache: KVCache) -> torch.Tensor:
         """Every layer with sssd._kernels between the matrix products, the segments' tokens
         one after another as the rows of every product; returns the final norm of the hidden
         states [max(num_tokens, self.min_rows), hidden_size] (the first num_tokens rows are
@@ -378,7 +384,7 @@ class Decoder:
         return normed
 
     def _attend_fused(self, step: _FusedStep, layer: int, qkv: torch.Tensor,
-                      queries: torch.Tensor, attended: torch.Tensor, cache: SlotKVCache,
+                      queries: torch.Tensor, attended: torch.Tensor, cache: KVCache,
                       cos: torch.Tensor, sin: torch.Tensor) -> None:
         """One segment's rotary embedding, cache write and attention in layer `layer`: its rows
         of `attended` [num_rows, heads * head_dim] from its rows of `qkv`."""
@@ -393,20 +399,12 @@ class Decoder:
         if batch.tree_bits is not None:
             _kernels.attention(layout, layer, step.rows, queries_ptr, attended_ptr, heads,
                                self.scale)
-        elif not (batch.is_prompt and _kernels.prompt_attention(
-                layout, layer, step.rows, queries_ptr, attended_ptr, heads, self.scale)):
-            # beyond MAX_TREE_BITS_NODES: a prompt, mostly, where the CPU's own kernel does not
-            # apply (no AVX-512, another head size)
+        else:  # trees of more than MAX_TREE_BITS_NODES nodes: by PyTorch, with a mask
             num_seqs, num_nodes = batch.input_ids.shape
             tokens = slice(step.first_row, step.first_row + num_seqs * num_nodes)
             q = queries[tokens].view(num_seqs, num_nodes, heads, self.head_dim).transpose(1, 2)
-            keys, values = cache.rows_view(layer, step.segment.first_slot, num_seqs,
-                                           batch.kv_len)
-            if batch.is_prompt:  # [1, heads, nodes, head_dim]
-                out = prompt_attention(q, keys[:, :, :num_nodes], values[:, :, :num_nodes],
-                                       self.scale)
-            else:
-                out = grouped_attention(q, keys, values, batch.attention_mask, self.scale)
+            keys, values = cache.segment_kv(layer, step.segment)
+            out = grouped_attention(q, keys, values, batch.attention_mask, self.scale)
             attended[tokens].copy_(out.transpose(1, 2).reshape(-1, heads * self.head_dim))
 
 
@@ -417,17 +415,24 @@ class _FusedStep:
 
     segment: Segment
     first_row: int
-    cache: SlotKVCache
+    cache: KVCache
 
     def __post_init__(self) -> None:
         batch = self.segment.batch
         num_seqs, num_nodes = batch.input_ids.shape
-        self.tables = self.cache.block_tables(self.segment.first_slot, num_seqs)
+        self.tables = self.cache.segment_tables(self.segment)
         self.rows = _kernels.StepRows(
             self.cache.layout, num_seqs, num_nodes, batch.cache_lens.data_ptr(),
             self.tables.data_ptr(), self.tables.shape[1],
             0 if batch.tree_bits is None else batch.tree_bits.data_ptr(),
             batch.position_ids.data_ptr())
+
+
+def _wanted(x: torch.Tensor, segment: Segment) -> torch.Tensor:
+    """The rows of a segment's hidden states x [num_tokens, hidden] whose logits it wants."""
+    if segment.logit_tokens is None:
+        return x
+    return x[torch.tensor(segment.logit_tokens, dtype=torch.int64, device=x.device)]
 
 
 def _first_rows(segments: Sequence[Segment]) -> list[int]:

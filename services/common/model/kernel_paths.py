@@ -2,10 +2,10 @@
 that reads the CPU's features and names the chosen path for every kernel.
 
 The C++ kernels choose theirs once (services/common/model/kernels/cpu_paths.cc): the tree
-attention (avx512, avx2, portable), its bfloat16 scores (amx, dpbf16, avx512), the prompt
-attention (avx512, or none: PyTorch's), the panel products (avx512, avx2, none) and the argmax
-(avx512, portable). Here, the one choice made in Python: where the decoder keeps each matrix
-product's weights (`products`: amx, panels, onednn or plain).
+attention (avx512, avx2, portable; prompts are chains of tree nodes), its bfloat16 scores (amx,
+dpbf16, avx512), the panel products (avx512, avx2, none) and the argmax (avx512, portable).
+Here, the one choice made in Python: where the decoder keeps each matrix product's weights
+(`products`: amx, panels, onednn or plain).
 
     >>> chosen()["tree_attention"]
     {'float32': 'avx512', 'bfloat16': 'avx512'}

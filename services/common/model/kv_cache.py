@@ -102,19 +102,27 @@ class SlotKVCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len
 
-    def block_tables(self, first_slot: int, num_rows: int) -> torch.Tensor:
-        """[num_rows, 1] int32: rows [0, num_rows) of a step over slots [first_slot, ...) own
-        one block each, their slot."""
-        return torch.arange(first_slot, first_slot + num_rows, dtype=torch.int32).unsqueeze(1)
+    def begin_segment(self, segment) -> None:
+        """begin_step for a decoder Segment: its rows are slots [first_slot, ...)."""
+        batch = segment.batch
+        self.begin_step(segment.first_slot, batch.input_ids.shape[0], batch.write_positions,
+                        batch.kv_len)
 
-    def rows_view(self, layer: int, first_slot: int, num_rows: int,
-                  kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values of slots [first_slot, first_slot + num_rows) up to `kv_len`: two
-        [num_rows, num_kv_heads, kv_len, head_dim] views (no copy)."""
-        if kv_len > self.capacity or first_slot < 0 or first_slot + num_rows > self.max_seqs:
-            raise ValueError(f"slots [{first_slot}, {first_slot + num_rows}) x {kv_len} "
-                             f"positions: the cache holds {self.max_seqs} x {self.capacity}")
-        rows = slice(first_slot, first_slot + num_rows)
+    def segment_tables(self, segment) -> torch.Tensor:
+        """[num_rows, 1] int32: a segment's rows own one block each (as kernels read the slot
+        cache: kv_layout.h), their slot."""
+        first, num_rows = segment.first_slot, segment.batch.input_ids.shape[0]
+        return torch.arange(first, first + num_rows, dtype=torch.int32).unsqueeze(1)
+
+    def segment_kv(self, layer: int, segment) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of a segment's slots up to its kv_len: two [num_rows,
+        num_kv_heads, kv_len, head_dim] views (no copy)."""
+        first, num_rows = segment.first_slot, segment.batch.input_ids.shape[0]
+        kv_len = segment.batch.kv_len
+        if kv_len > self.capacity or first < 0 or first + num_rows > self.max_seqs:
+            raise ValueError(f"slots [{first}, {first + num_rows}) x {kv_len} positions: the "
+                             f"cache holds {self.max_seqs} x {self.capacity}")
+        rows = slice(first, first + num_rows)
         return self.keys[layer][rows, :, :kv_len], self.values[layer][rows, :, :kv_len]
 
     # --- after the forward pass ----------------------------------------------------------------

@@ -39,19 +39,6 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return attended.view(num_seqs, num_heads, num_nodes, head_dim)
 
 
-def prompt_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """Causal attention of a prompt over its own keys: q [1, heads, n, head_dim], keys and
-    values [1, kv_heads, n, head_dim]. PyTorch's flash kernel, which works through the keys in
-    blocks and never holds the n x n scores whose float32 values (and the mask they add) grow
-    with the square of the prompt. Each query row's result depends on the prompt alone, so a
-    prompt prefilled beside other rows gets the logits it gets alone. On CPUs with AVX-512 the
-    fused forward takes sssd._kernels.prompt_attention instead; this is where that does not
-    apply, and the PyTorch forward's."""
-    return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale,
-                                          enable_gqa=keys.shape[1] != q.shape[1])
-
-
 def _memory_efficient_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            mask: torch.Tensor, scale: float) -> torch.Tensor:
     """PyTorch's fused attention, on CUDA by its memory-efficient kernel alone (see

@@ -44,6 +44,10 @@ class TreeBatch:
     kv_len: int  # cache positions the step attends over: max(cache_lens) + max_nodes, aligned
     trees: Sequence[DraftTree]
     dtype: torch.dtype  # of the additive mask
+    # [num_seqs, max_blocks] int32 on the host: each row's cache blocks in position order,
+    # covering kv_len positions (padded with block 0, which no row reads past its length);
+    # None for a slot cache, whose rows are its slots
+    block_tables: torch.Tensor | None = None
 
     @cached_property
     def attention_mask(self) -> torch.Tensor:
@@ -61,13 +65,6 @@ class TreeBatch:
         mask = torch.zeros((num_seqs, 1, max_nodes, self.kv_len), dtype=self.dtype)
         mask.masked_fill_(torch.from_numpy(~allowed).unsqueeze(1), torch.finfo(self.dtype).min)
         return mask.to(self.input_ids.device, non_blocking=True)
-
-    @cached_property
-    def is_prompt(self) -> bool:
-        """One row, a chain written from cache position 0: a prompt, whose attention is plain
-        causal attention over its own keys."""
-        return len(self.trees) == 1 and self.host_cache_lens[0] == 0 and \
-            is_chain(self.trees[0].parents)
 
     def path_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each node's keys in the order of their text positions: the cached prefix, then its
@@ -134,10 +131,13 @@ def depths_and_bits(parents: Sequence[int]) -> tuple[list[int], list[int]]:
 def build_tree_batch(
     trees: Sequence[DraftTree], cache_lens: Sequence[int], dtype: torch.dtype,
     kv_align: int = KV_ALIGN, device: torch.device | str = "cpu", min_nodes: int = 1,
+    block_tables: Sequence[Sequence[int]] | None = None, block_size: int = 16,
 ) -> TreeBatch:
     """`kv_align`: the key length of the step is rounded up to a multiple of it (see KV_ALIGN).
     `dtype`: of the additive mask, when one is asked for. `device`: where the tensors go.
-    `min_nodes`: the fewest nodes per row (padding nodes, as for a row of a smaller tree)."""
+    `min_nodes`: the fewest nodes per row (padding nodes, as for a row of a smaller tree).
+    `block_tables`: each row's blocks of a paged cache of `block_size` positions a block; they
+    must hold the row's cached positions and every node the step writes."""
     num_seqs = len(trees)
     max_nodes = max(min_nodes, *(tree.num_nodes for tree in trees))
     kv_len = -(-(max(cache_lens) + max_nodes) // kv_align) * kv_align
@@ -167,6 +167,16 @@ def build_tree_batch(
     def on_device(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device, non_blocking=True)
 
+    tables = None
+    if block_tables is not None:
+        width = max(-(-kv_len // block_size), *(len(t) for t in block_tables))
+        padded = np.zeros((num_seqs, width), dtype=np.int32)
+        for row, (table, cache_len) in enumerate(zip(block_tables, cache_lens)):
+            if len(table) * block_size < cache_len + max_nodes:
+                raise ValueError(f"row {row}'s {len(table)} blocks hold {len(table) * block_size}"
+                                 f" positions, the step writes up to {cache_len + max_nodes}")
+            padded[row, :len(table)] = table
+        tables = torch.from_numpy(padded)
     return TreeBatch(
         input_ids=on_device(input_ids),
         position_ids=on_device(lens[:, None] + depths),
@@ -178,6 +188,7 @@ def build_tree_batch(
         kv_len=kv_len,
         trees=trees,
         dtype=dtype,
+        block_tables=tables,
     )
 
 

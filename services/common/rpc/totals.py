@@ -17,3 +17,4 @@ class Totals:
     tokens_per_second: float
     mean_accepted_length: float  # tokens per verification step (accepted + 1)
     finish_reason: str  # "stop", "length" or "cancelled"
+    cached_tokens: int = 0  # leading prompt tokens taken from the prefix cache

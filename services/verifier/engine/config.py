@@ -56,9 +56,23 @@ class EngineConfig:
                        "input trie + datastore; ssd: the speculator service (--speculator), "
                        "with SSSD drafting its misses above the critical batch size",
                        choices=MODES)
-    max_batch_size: int = option(8, "running sequences (KV-cache slots)")
-    max_len: int = option(2048, "cache positions per sequence: prompt + output + one draft "
-                          "tree")
+    max_batch_size: int = option(64, "the most sequences running at once (each holds KV "
+                                 "blocks while it runs: memory bounds them too)")
+    max_len: int | None = option(
+        None, "a sequence's context window, prompt and output; unset: the model's whole window "
+        "(max_position_embeddings), as far as the KV cache holds it")
+    kv_cache_memory: str = option(
+        "auto", "memory of the paged KV cache: bytes (4GiB, 512MiB, 2e9) or a fraction of the "
+        "memory available now (0.25); auto: max_batch_size windows of max_len, at most a "
+        "quarter of the memory available")
+    kv_block_size: int = option(16, "positions a KV-cache block holds (a multiple of 16, at "
+                                "most 128): the unit of allocation and of prefix caching")
+    max_num_batched_tokens: int = option(
+        512, "prompt tokens a step prefills at most (chunked prefill): a long prompt is "
+        "prefilled in chunks between the running sequences' decode steps")
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV cache of full blocks across requests (a shared system prompt, the "
+        "earlier turns of a conversation); the output is the same with or without a hit")
     budget_policy: str = option(
         "measured", "measured: maximize expected accepted tokens per second from a profile of "
         "the forward pass, learned online; rule: s_q = knee_intensity / b (the SSSD paper, "
@@ -102,7 +116,10 @@ class EngineConfig:
             (self.budget_policy in BUDGET_POLICIES,
              f"budget_policy must be one of {BUDGET_POLICIES}, got {self.budget_policy!r}"),
             (1 <= self.max_batch_size <= 1024, "max_batch_size must be in [1, 1024]"),
-            (self.max_len >= 16, "max_len must be >= 16"),
+            (self.max_len is None or self.max_len >= 16, "max_len must be >= 16"),
+            (16 <= self.kv_block_size <= 128 and self.kv_block_size % 16 == 0,
+             f"kv_block_size must be a multiple of 16 in [16, 128], got {self.kv_block_size}"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
             (self.knee_intensity > 0, "knee_intensity must be > 0"),
             (1 <= self.max_budget <= 256, "max_budget must be in [1, 256]"),
             (self.drafter_timeout_s > 0, "drafter_timeout_s must be > 0"),
@@ -114,7 +131,37 @@ class EngineConfig:
             if not ok:
                 raise ValueError(message)
         check_device(self.device)  # ValueError naming the settings allowed
+        parse_memory(self.kv_cache_memory)  # ValueError naming the forms allowed
         if self.drafter_target is not None:
             parse_targets(self.drafter_target)  # ValueError naming the malformed part
         if self.profile_path:
             object.__setattr__(self, "profile_path", str(Path(self.profile_path).absolute()))
+
+
+def parse_memory(text: str) -> float | int | None:
+    """kv_cache_memory's value: None for auto, a fraction (0 < f <= 1) of the memory available,
+    or bytes (an int). Raises ValueError naming the forms allowed."""
+    value = text.strip()
+    if value.lower() == "auto":
+        return None
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10 ** 3,
+             "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12, "b": 1}
+    lowered = value.lower()
+    for suffix, scale in units.items():
+        if lowered.endswith(suffix):
+            number, multiplier = lowered[:-len(suffix)].strip(), scale
+            break
+    else:
+        number, multiplier = lowered, None
+    try:
+        amount = float(number)
+    except ValueError:
+        raise ValueError(f"kv_cache_memory must be auto, bytes (4GiB, 512MiB, 2e9) or a "
+                         f"fraction of the memory available (0.25), got {text!r}") from None
+    if multiplier is None and 0 < amount <= 1:
+        return amount
+    if multiplier is None:
+        multiplier = 1
+    if amount * multiplier < 1 << 20:
+        raise ValueError(f"kv_cache_memory of {text!r} is under 1 MiB")
+    return int(amount * multiplier)

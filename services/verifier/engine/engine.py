@@ -1,15 +1,18 @@
 """The verifier engine: continuous batching with lossless tree verification.
 
-One `step()` reads as admit, draft, forward, accept, emit:
-1. admit: waiting requests take free KV slots (a prompt prefilled by another worker gets its
-   first token here);
-2. draft: one `propose` call for the sequences that were already running (drafting.py);
-3. forward: one pass over every draft tree and every admitted prompt, which gets its first token
-   (a step that admits reads the weights once, as vLLM's mixed prefill and decode batches do);
+One `step()` reads as schedule, draft, forward, accept, emit:
+1. schedule: within the KV cache's blocks (scheduler.py), the decoding sequences' trees, the
+   next chunks of prompts being prefilled, and newly admitted requests (which take the blocks of
+   their longest cached prefix first; a prompt prefilled by another worker gets its first token
+   here);
+2. draft: one `propose` call for the decoding sequences (drafting.py);
+3. forward: one pass over every draft tree and every prefill chunk; a context's last chunk gives
+   its first token (a step that prefills reads the weights once, as vLLM's mixed prefill and
+   decode batches do);
 4. accept: per row, the longest path the target agrees with (acceptance.py), and the KV cache
-   keeps the accepted nodes only;
+   keeps the accepted nodes only; blocks that are now full enter the prefix cache;
 5. emit: append the accepted tokens and the bonus token; EOS, stop strings and max_tokens end a
-   sequence inside an accepted path; finished sequences leave the batch.
+   sequence inside an accepted path; finished sequences leave the batch and free their blocks.
 It returns a `StepOutput`; observers read that, never the engine.
 """
 
@@ -26,12 +29,14 @@ import torch
 from sssd.common.drafting.draft_tree import DraftTree
 from sssd.common.drafting.proposer import Proposer
 from sssd.common.model.argmax import argmax_last
+from sssd.common.model.tree_batch import MAX_TREE_BITS_NODES
 from sssd.verifier.engine.acceptance import AcceptResult, accept_greedy, draws_at_positions
+from sssd.verifier.engine.block_manager import BlockManager
 from sssd.verifier.engine.budget_policy import BudgetPolicy
 from sssd.verifier.engine.detokenizer import Decode, IncrementalDetokenizer, find_stop
 from sssd.verifier.engine.drafting import Drafting, Drafts
 from sssd.verifier.engine.handoff import PrefilledPrompt
-from sssd.verifier.engine.model_runner import ModelRunner
+from sssd.verifier.engine.model_runner import CacheRow, Chunk, ModelRunner
 from sssd.verifier.engine.output import EngineStats, RowOutput, StepOutput
 from sssd.verifier.engine.request import (
     GenerateRequest,
@@ -40,13 +45,17 @@ from sssd.verifier.engine.request import (
     end_reason,
 )
 from sssd.verifier.engine.sampling import position_uniforms, sample_with_uniforms, target_probs
-from sssd.verifier.engine.scheduler import Scheduler
+from sssd.verifier.engine.scheduler import ChunkPlan, Scheduler
 from sssd.verifier.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
 
 class Engine:
+    # Positions of the cache kept beside a sequence of the longest window: one draft tree, or
+    # a prefill chunk's padding.
+    _tree_room = MAX_TREE_BITS_NODES
+
     def __init__(
         self,
         runner: ModelRunner,
@@ -54,19 +63,29 @@ class Engine:
         budget_policy: BudgetPolicy,
         proposer: Proposer | None = None,
         detokenize: Decode | None = None,
-        max_batch_size: int = 8,
+        max_batch_size: int = 64,
+        max_num_batched_tokens: int = 512,
+        enable_prefix_caching: bool = True,
     ) -> None:
         """`proposer`: the drafting source (None: autoregressive decoding); the engine owns it
         and closes it in `close()`. `detokenize(ids)` gives the text of token ids with special
         tokens skipped; with it the engine tracks each answer's text (stop strings, streamed
-        text), without it requests may not have stop strings."""
+        text), without it requests may not have stop strings. `max_batch_size`: the most
+        sequences running at once; `max_num_batched_tokens`: the prompt tokens a step prefills
+        at most (chunked prefill); `enable_prefix_caching`: full blocks are reused across
+        requests."""
         self.runner = runner
         self.eos_token_ids = frozenset(eos_token_ids)
         self.budget_policy = budget_policy
         self.drafting = Drafting(proposer, runner.vocab_size)
         self.detokenize = detokenize
-        self.scheduler = Scheduler(min(max_batch_size, runner.max_seqs), runner.move_slot)
-        self.limits = RequestLimits.for_context(runner.vocab_size, runner.max_len,
+        self.blocks = BlockManager(runner.cache.num_blocks, runner.block_size,
+                                   runner.prefix_salt, enable_prefix_caching)
+        self.scheduler = Scheduler(max_batch_size, self.blocks, max_num_batched_tokens)
+        # A sequence's window: the model's, and what the whole cache holds beside one tree.
+        self.max_len = min(runner.max_len,
+                           runner.cache.num_blocks * runner.block_size - self._tree_room)
+        self.limits = RequestLimits.for_context(runner.vocab_size, self.max_len,
                                                 self.drafting.sources)
         self.stats = EngineStats()
         # Default request ids are unique per engine: engines that share a drafter service must
@@ -113,6 +132,15 @@ class Engine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    @property
+    def kv_cache_usage(self) -> float:
+        """The fraction of the KV cache's blocks held by sequences, 0..1."""
+        return self.blocks.usage
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
     def abort(self, request_id: str) -> Sequence | None:
         """Drops a waiting or running request at once (client cancelled); returns it, or None
         when no such request is here (already finished)."""
@@ -144,20 +172,24 @@ class Engine:
     def step(self) -> StepOutput:
         rows: dict[str, RowOutput] = {}  # by request id
         finished = self._retire()
-        verifying = list(self.scheduler.running)  # admitted in earlier steps
-        prompts, prefill_s = self._admit(rows)
-        drafts, budget, step_start = None, 1, time.perf_counter()
+        waiting_to_decode = self.scheduler.decoding
+        budget = self.budget_policy.budget(len(waiting_to_decode), [
+            seq.request_id for seq in waiting_to_decode]) if waiting_to_decode else 1
+        verifying, plans = self.scheduler.schedule(budget)
         keys = [seq.request_id for seq in verifying]  # the policy's names of the rows
+        handed_over = [p for p in plans if p.seq.prefilled is not None]
+        plans = [p for p in plans if p.seq.prefilled is None]
+        prefill_s = self._load_prefilled(handed_over, rows)
+        drafts, step_start = None, time.perf_counter()
         if verifying:
-            budget = self.budget_policy.budget(len(verifying), keys)
-            drafts = self.drafting.draft(verifying, budget,
-                                         self._draft_budget(len(verifying), budget),
-                                         self.runner.room)
+            drafts = self.drafting.draft(
+                verifying, budget, self._draft_budget(len(verifying), budget),
+                lambda i: self.max_len - verifying[i].table.num_cached)
         verify_s = 0.0
-        if drafts is not None or prompts:
-            logits, verify_s, prompt_s = self._forward(drafts, prompts, rows)
-            prefill_s += prompt_s
-        if drafts is None:  # admissions only
+        if drafts is not None or plans:
+            logits, verify_s, chunks_s = self._forward(verifying, drafts, plans, rows)
+            prefill_s += chunks_s
+        if drafts is None:  # prefill only
             finished += self._retire()
             output = StepOutput(list(rows.values()), finished, prefill_s=prefill_s)
             self.stats.add(output)
@@ -166,45 +198,56 @@ class Engine:
         self._emit_verified(verifying, drafts, results, rows)
         # The policy prices a budget by the step's speculation work: a pass that also ran a
         # prompt says nothing about it.
-        self._learn(keys, drafts, results, None if prompts else step_start)
+        self._learn(keys, drafts, results, None if plans else step_start)
         finished += self._retire()
         output = StepOutput(list(rows.values()), finished, len(results), budget, drafts.draft_s,
                             verify_s, prefill_s, drafts.num_errors, drafts.is_fallback)
         self.stats.add(output)
         return output
 
-    def _forward(self, drafts: Drafts | None, prompts: list[tuple[int, Sequence]],
-                 rows: dict[str, RowOutput]) -> tuple[torch.Tensor | None, float, float]:
-        """The step's one forward pass: the running rows' trees and the admitted prompts, whose
-        first tokens it samples. Returns the verification logits and the seconds of the pass
-        spent verifying and prefilling (a pass that does both splits its time by rows)."""
+    def _forward(self, verifying: list[Sequence], drafts: Drafts | None,
+                 plans: list[ChunkPlan], rows: dict[str, RowOutput],
+                 ) -> tuple[torch.Tensor | None, float, float]:
+        """The step's one forward pass: the decoding rows' trees and the prefill chunks; a
+        context's last chunk gives its first token. Returns the verification logits and the
+        seconds of the pass spent verifying and prefilling (a pass that does both splits its
+        time by tokens)."""
         trees = drafts.trees if drafts is not None else []
+        tree_rows = [(_row(seq), tree) for seq, tree in zip(verifying, trees)]
+        chunks = [Chunk(_row(plan.seq), plan.seq.token_ids_from(plan.seq.table.num_cached)[
+            :plan.num_tokens], plan.is_last) for plan in plans]
         start = time.perf_counter()
-        logits, prompt_logits = self.runner.verify_and_prefill(
-            trees, [(slot, seq.request.context_ids) for slot, seq in prompts])
+        logits, chunk_logits = self.runner.forward(tree_rows, chunks)
         seconds = time.perf_counter() - start
-        for (_, seq), next_logits in zip(prompts, prompt_logits):
-            self._first_token(seq, next_logits, rows)
-        prompt_tokens = sum(len(seq.request.context_ids) for _, seq in prompts)
+        for plan, chunk, next_logits in zip(plans, chunks, chunk_logits):
+            seq = plan.seq
+            seq.table.num_cached += plan.num_tokens
+            self._register(seq)
+            if chunk.wants_logits:  # the context's last chunk
+                seq.is_prefilled = True
+                self._first_token(seq, next_logits, rows)
+        prompt_tokens = sum(plan.num_tokens for plan in plans)
         tokens = prompt_tokens + sum(tree.num_nodes for tree in trees)
         prefill_s = seconds * prompt_tokens / tokens
         return logits, seconds - prefill_s, prefill_s
 
-    def _admit(self, rows: dict[str, RowOutput]) -> tuple[list[tuple[int, Sequence]], float]:
-        """Admits waiting sequences while slots are free. One whose prompt was prefilled
-        elsewhere gets its first token now; the others are returned with their slots, for the
-        step's forward pass. Returns them and the seconds spent taking over prefilled KV."""
+    def _load_prefilled(self, plans: list[ChunkPlan], rows: dict[str, RowOutput]) -> float:
+        """Takes over prompts prefilled by another worker into their new blocks; each gets its
+        first token now. Returns the seconds it took."""
         start = time.perf_counter()
-        prompts = []
-        while self.scheduler.can_admit():
-            slot, seq = self.scheduler.admit()
-            if seq.prefilled is None:
-                prompts.append((slot, seq))
-                continue
-            logits = self.runner.load_prefilled(slot, seq.prefilled)  # [vocab_size]
-            seq.prefilled = None  # the cache slot holds it now; free the transfer buffer
+        for plan in plans:
+            seq = plan.seq
+            logits = self.runner.load_prefilled(seq.table.blocks, seq.prefilled)  # [vocab_size]
+            seq.prefilled = None  # the cache holds it now; free the transfer buffer
+            seq.table.num_cached = seq.num_tokens
+            seq.is_prefilled = True
+            self._register(seq)
             self._first_token(seq, logits, rows)
-        return prompts, time.perf_counter() - start
+        return time.perf_counter() - start
+
+    def _register(self, seq: Sequence) -> None:
+        """Its blocks now full of final keys and values enter the prefix cache."""
+        self.blocks.register_full(seq.table, seq.table.num_cached, seq.token_ids_from)
 
     def _first_token(self, seq: Sequence, logits: torch.Tensor,
                      rows: dict[str, RowOutput]) -> None:
@@ -246,7 +289,10 @@ class Engine:
         chosen_ids = chosen.tolist()
         results = [accept_greedy(tree.token_ids, tree.parents, chosen_ids[row][: tree.num_nodes])
                    for row, tree in enumerate(trees)]
-        self.runner.commit([r.accepted_nodes for r in results])
+        self.runner.commit([_row(seq) for seq in running], [r.accepted_nodes for r in results])
+        for seq, result in zip(running, results):  # the root and the accepted path are final
+            seq.table.num_cached += 1 + result.num_accepted
+            self._register(seq)
         return results
 
     def _emit_verified(self, running: list[Sequence], drafts: Drafts,
@@ -297,7 +343,7 @@ class Engine:
             reason = end_reason(token, len(seq.output_ids), seq.request, self.eos_token_ids)
             if reason != "stop" and seq.request.stop and self._hit_stop(seq, token):
                 reason = "stop"  # a stop string ends it before the length limit does
-            elif reason is None and seq.num_tokens + 1 >= self.runner.max_len:
+            elif reason is None and seq.num_tokens + 1 >= self.max_len:
                 reason = "length"  # the context window is full
             seq.finish_reason = reason
             if seq.is_finished:
@@ -325,3 +371,8 @@ class Engine:
         finished = self.scheduler.retire()
         self.drafting.end(finished)
         return finished
+
+
+def _row(seq: Sequence) -> CacheRow:
+    """A sequence's place in the cache for this step."""
+    return CacheRow(seq.table.blocks, seq.table.num_cached)

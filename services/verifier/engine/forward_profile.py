@@ -31,7 +31,8 @@ PROFILE_CONTEXT = 256  # cached tokens per sequence while profiling the forward 
 
 
 class ForwardProfile:
-    """t(b, s_q) in seconds on a grid; interpolated in b, looked up in s_q."""
+    """t(b, s_q) in seconds on a grid; interpolated in b (beyond the largest batch measured,
+    extrapolated along the last two), looked up in s_q."""
 
     def __init__(self, batches: Sequence[int], budgets: Sequence[int], seconds: np.ndarray,
                  busy: bool = False) -> None:
@@ -47,8 +48,15 @@ class ForwardProfile:
         key = (batch_size, budget_index)
         seconds = self._times.get(key)
         if seconds is None:  # a policy asks every step: interpolate once per cell
-            seconds = self._times[key] = float(
-                np.interp(batch_size, self.batches, self.seconds[:, budget_index]))
+            column = self.seconds[:, budget_index]
+            if batch_size > self.batches[-1] and len(self.batches) > 1:
+                # Larger batches than profiled (the profile stops at a few rows, the engine runs
+                # dozens): the step grows with the rows at the rate of the last two batches.
+                slope = (column[-1] - column[-2]) / (self.batches[-1] - self.batches[-2])
+                seconds = float(column[-1] + max(0.0, slope) * (batch_size - self.batches[-1]))
+            else:
+                seconds = float(np.interp(batch_size, self.batches, column))
+            self._times[key] = seconds
         return seconds
 
     @classmethod
@@ -103,18 +111,22 @@ def write_json(path: str | os.PathLike, payload: dict) -> None:
 
 
 def profiled_batches(max_batch_size: int) -> list[int]:
-    """The batch sizes a profile for `max_batch_size` KV slots measures."""
-    return [b for b in (1, 2, 4, 8, 16, 32) if b <= max_batch_size]
+    """The batch sizes a profile for `max_batch_size` running sequences measures (larger ones
+    are extrapolated: ForwardProfile.time)."""
+    return [b for b in DEFAULT_BATCHES if b <= max_batch_size]
 
 
 def profile_forward(runner: "ModelRunner", max_batch_size: int) -> ForwardProfile:
     """Times verification forwards of b sequences x s_q nodes on this model and device.
 
-    Fills slots [0, max_batch_size) with a synthetic context; nothing is committed, so the
-    runner is left as it was, apart from those slots' contents."""
-    context = max(1, min(PROFILE_CONTEXT, runner.max_len - max(DEFAULT_BUDGETS) - 1))
+    Fills the runner's own slots (before any request uses the cache) with a synthetic context;
+    nothing is committed, so the runner is left as it was, apart from those blocks' contents."""
+    batches = profiled_batches(min(max_batch_size, runner.max_seqs))
+    room = runner.slot_row(0).capacity(runner.block_size) if runner.max_seqs else 0
+    context = max(1, min(PROFILE_CONTEXT, runner.max_len - max(DEFAULT_BUDGETS) - 1,
+                         room - max(DEFAULT_BUDGETS) - 1))
     prompt = list(range(100, 100 + context))
-    for slot in range(max_batch_size):
+    for slot in range(batches[-1]):
         runner.prefill(slot, prompt)
 
     def forward(batch_size: int, budget: int) -> float:
@@ -125,4 +137,4 @@ def profile_forward(runner: "ModelRunner", max_batch_size: int) -> ForwardProfil
         synchronize(runner.device)  # a GPU pass has only been queued
         return time.perf_counter() - start
 
-    return ForwardProfile.measure(forward, batches=profiled_batches(max_batch_size))
+    return ForwardProfile.measure(forward, batches=batches)

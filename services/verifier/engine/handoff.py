@@ -24,6 +24,7 @@ class PrefilledPrompt:
     dtype: str  # torch dtype name of keys and values, e.g. "bfloat16"
     logits: np.ndarray  # [vocab_size] float32: the next-token logits after the prompt
     prefill_s: float = 0.0  # time of the prefill forward
+    num_cached_tokens: int = 0  # leading tokens the prefill worker's prefix cache held
 
     @property
     def num_tokens(self) -> int:
@@ -31,14 +32,14 @@ class PrefilledPrompt:
 
     @classmethod
     def from_tensors(cls, keys: torch.Tensor, values: torch.Tensor, logits: torch.Tensor,
-                     prefill_s: float = 0.0) -> "PrefilledPrompt":
+                     prefill_s: float = 0.0, num_cached_tokens: int = 0) -> "PrefilledPrompt":
         """From tensors on any device: each comes to the host once (`cpu()` copies from a GPU
         and is a no-op on the CPU)."""
         raw = _RAW_DTYPES.get(keys.dtype)
         as_numpy = (lambda t: t.cpu().contiguous().view(raw).numpy()) if raw is not None \
             else (lambda t: t.cpu().contiguous().numpy())
         return cls(as_numpy(keys), as_numpy(values), str(keys.dtype).removeprefix("torch."),
-                   logits.float().cpu().numpy(), prefill_s)
+                   logits.float().cpu().numpy(), prefill_s, num_cached_tokens)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """keys, values and logits as torch tensors viewing the same memory (no copy)."""

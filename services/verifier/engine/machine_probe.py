@@ -1,6 +1,7 @@
-"""How busy the machine is besides this process: a profile measured while other work takes
-cores is too slow, and not evenly so, so the start-up check marks it busy (forward_profile.py)
-and a later start on a quiet machine measures again."""
+"""What the machine has to spare. How busy it is besides this process: a profile measured
+while other work takes cores is too slow, and not evenly so, so the start-up check marks it
+busy (forward_profile.py) and a later start on a quiet machine measures again. How much memory
+a KV cache may take: the machine's available memory, within the container's limit."""
 
 from __future__ import annotations
 
@@ -35,3 +36,38 @@ def machine_load(window_s: float = 0.3) -> tuple[float, int, bool]:
     except (OSError, ValueError, IndexError):
         others = os.getloadavg()[0]
     return others, cores, others > 0.5 * cores
+
+
+# The memory cgroup's limit, use, and statistics files: version 2, then version 1.
+CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current",
+                 "/sys/fs/cgroup/memory.stat", "inactive_file"),
+                ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                 "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+                 "/sys/fs/cgroup/memory/memory.stat", "total_inactive_file"))
+NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def cgroup_room(files=CGROUP_FILES) -> int | None:
+    """Bytes this process's memory cgroup (a container's limit) still allows: its limit less
+    what it uses, page cache that can be dropped not counted as used; None without a limit."""
+    for limit_path, usage_path, stat_path, inactive_key in files:
+        try:
+            with open(limit_path) as f:
+                limit = f.read().strip()
+            with open(usage_path) as f:
+                usage = int(f.read())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= NO_LIMIT:
+            return None
+        inactive = 0
+        try:
+            with open(stat_path) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == inactive_key:
+                        inactive = int(value)
+        except (OSError, ValueError):
+            pass
+        return max(0, int(limit) - max(0, usage - inactive))
+    return None

@@ -125,13 +125,14 @@ class RequestLimits:
     vocab_size: int  # token ids are in [0, vocab_size)
     max_prompt_tokens: int  # the context window leaves room for at least one new token
     sources: tuple[str, ...] = ()  # the drafting sources the server has
+    context_window: int = 0  # positions of a sequence, prompt and answer (0: unknown)
 
     @classmethod
     def for_context(cls, vocab_size: int, max_len: int,
                     sources: tuple[str, ...] = ()) -> "RequestLimits":
-        """Limits of a KV cache of `max_len` positions: the prompt, one new token and the
-        root of its first draft tree must fit."""
-        return cls(vocab_size, max_len - 2, tuple(sources))
+        """Limits of a context window of `max_len` positions: the prompt, one new token and
+        the root of its first draft tree must fit."""
+        return cls(vocab_size, max_len - 2, tuple(sources), max_len)
 
     def check(self, request: GenerateRequest) -> None:
         """Raises InvalidRequest naming the field."""
@@ -141,8 +142,9 @@ class RequestLimits:
             raise InvalidRequest(f"prompt: token id {bad} is outside the vocabulary "
                                  f"[0, {self.vocab_size})")
         if len(request.prompt_ids) > self.max_prompt_tokens:
-            raise InvalidRequest(f"prompt: {len(request.prompt_ids)} tokens, the context window "
-                                 f"allows at most {self.max_prompt_tokens}")
+            window = f" of {self.context_window} positions" if self.context_window else ""
+            raise InvalidRequest(f"prompt: {len(request.prompt_ids)} tokens, the context window"
+                                 f"{window} allows at most {self.max_prompt_tokens}")
         if request.resume_ids:
             if min(request.resume_ids) < 0 or max(request.resume_ids) >= self.vocab_size:
                 raise InvalidRequest("resume: a token id is outside the vocabulary "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sssd.verifier.engine.block_manager import BlockTable
 from sssd.verifier.engine.detokenizer import IncrementalDetokenizer
 from sssd.verifier.engine.handoff import PrefilledPrompt
 from sssd.verifier.engine.request import GenerateRequest
@@ -27,6 +28,13 @@ class Sequence:
     stop_text_len: int | None = None  # the text is cut here: a stop string starts here
     # The prompt's KV cache from a prefill worker (disaggregated serving); dropped on admission.
     prefilled: PrefilledPrompt | None = None
+    # Its blocks of the paged KV cache, and how many leading positions they hold computed.
+    table: BlockTable = field(default_factory=BlockTable)
+    # Its context (prompt and output so far) is computed but for the last token, which the
+    # next step's tree holds as its root: it decodes (else it is prefilled, or waits).
+    is_prefilled: bool = False
+    # Its context's leading tokens the prefix cache held at its first admission (None before).
+    num_cached_tokens: int | None = None
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:

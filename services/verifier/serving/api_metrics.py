@@ -16,13 +16,15 @@ is longer than p.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from sssd.verifier.serving.backend import StreamEvent
+from sssd.verifier.serving.backend import EngineGauges, StreamEvent
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Seconds; the buckets vLLM uses for the same histograms (CPU steps are 10-200 ms).
@@ -58,12 +60,30 @@ class ApiMetrics:
         model = ("model_name",)
         self.running = Gauge("sssd_api_requests_running", "Requests admitted and not ended",
                              model, registry=registry)
-        self.vllm_running = Gauge("vllm:num_requests_running", "Requests admitted and not ended",
-                                  model, registry=registry)
-        self.vllm_waiting = Gauge("vllm:num_requests_waiting",
-                                  "Requests waiting (the engine admits as slots free; always 0 "
-                                  "here: waiting requests count as running)", model,
+        # The engines' own figures (Backend.engine_gauges), read when /metrics is asked for.
+        self.gauges: Callable[[], EngineGauges | None] | None = None
+        self.vllm_running = Gauge("vllm:num_requests_running",
+                                  "Requests in the engines' running batches", model,
                                   registry=registry)
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting",
+                                  "Requests submitted and not yet in a running batch", model,
+                                  registry=registry)
+        self.kv_usage = _Twin(Gauge, registry, "sssd_api_kv_cache_usage_perc",
+                              "vllm:kv_cache_usage_perc",
+                              "Fraction of the KV cache's blocks held by requests (1: all)",
+                              model)
+        self.preemptions = _Twin(Counter, registry, "sssd_api_num_preemptions",
+                                 "vllm:num_preemptions",
+                                 "Requests preempted for want of KV blocks", model)
+        self.prefix_queries = _Twin(Counter, registry, "sssd_api_prefix_cache_queries",
+                                    "vllm:prefix_cache_queries",
+                                    "Prompt tokens looked up in the prefix cache", model)
+        self.prefix_hits = _Twin(Counter, registry, "sssd_api_prefix_cache_hits",
+                                 "vllm:prefix_cache_hits",
+                                 "Prompt tokens found in the prefix cache", model)
+        self._num_preemptions = 0  # the engines' total at the last export
+        self._num_open = 0  # requests tracked and not ended
+        self._lock = threading.Lock()
         self.success = _Twin(Counter, registry, "sssd_api_request_success",
                              "vllm:request_success", "Requests that ended, by finish reason",
                              model + ("finished_reason",))
@@ -104,7 +124,8 @@ class ApiMetrics:
                                       + ("position",))
         # Touch the speculation series so that they exist (at 0) before the first draft: a
         # client reading /metrics before and after a run sees both.
-        for twin in (self.drafts, self.draft_tokens, self.accepted):
+        for twin in (self.drafts, self.draft_tokens, self.accepted, self.preemptions,
+                     self.prefix_queries, self.prefix_hits):
             twin.labels(model_name)
 
     def refused_request(self, kind: str) -> None:
@@ -112,21 +133,49 @@ class ApiMetrics:
 
     def track(self, num_prompt_tokens: int) -> "RequestTracker":
         """Call once a request is admitted; record its events into the tracker."""
-        for metric in (self.running, self.vllm_running):
-            metric.labels(self.model_name).inc()
+        self.running.labels(self.model_name).inc()
+        with self._lock:
+            self._num_open += 1
         for counter in self.prompt_tokens.labels(self.model_name):
             counter.inc(num_prompt_tokens)
-        return RequestTracker(self)
+        return RequestTracker(self, num_prompt_tokens)
+
+    def untrack(self) -> None:
+        """A tracked request ended (RequestTracker.end)."""
+        self.running.labels(self.model_name).dec()
+        with self._lock:
+            self._num_open -= 1
 
     def export(self) -> bytes:
+        """The text exposition, the engines' gauges read first (they may block for a moment:
+        a Ray backend asks its workers)."""
+        self._read_gauges()
         return generate_latest(self.registry)
+
+    def _read_gauges(self) -> None:
+        gauges = self.gauges() if self.gauges is not None else None
+        model = self.model_name
+        if gauges is None:  # no engine to ask: the requests this frontend holds
+            with self._lock:
+                self.vllm_running.labels(model).set(self._num_open)
+            self.vllm_waiting.labels(model).set(0)
+            return
+        self.vllm_running.labels(model).set(gauges.num_running)
+        self.vllm_waiting.labels(model).set(gauges.num_waiting)
+        for gauge in self.kv_usage.labels(model):
+            gauge.set(gauges.kv_cache_usage)
+        if gauges.num_preemptions > self._num_preemptions:
+            for counter in self.preemptions.labels(model):
+                counter.inc(gauges.num_preemptions - self._num_preemptions)
+        self._num_preemptions = max(self._num_preemptions, gauges.num_preemptions)
 
 
 class RequestTracker:
     """The metrics of one request, fed its stream events in order; `end` exactly once."""
 
-    def __init__(self, metrics: ApiMetrics) -> None:
+    def __init__(self, metrics: ApiMetrics, num_prompt_tokens: int = 0) -> None:
         self.metrics = metrics
+        self.num_prompt_tokens = num_prompt_tokens
         self.arrival = self.last = time.perf_counter()
         self.first_token_at: float | None = None
         self.num_tokens = 0
@@ -153,6 +202,11 @@ class RequestTracker:
                     histogram.observe(gap)
             self.num_tokens += count
             self.last = now
+        if event.num_cached_tokens is not None:
+            for counter in m.prefix_queries.labels(*model):
+                counter.inc(self.num_prompt_tokens)
+            for counter in m.prefix_hits.labels(*model):
+                counter.inc(event.num_cached_tokens)
         step = event.step
         if step is not None:
             if step.drafted_tokens:
@@ -178,8 +232,7 @@ class RequestTracker:
         m = self.metrics
         model = (m.model_name,)
         now = time.perf_counter()
-        for metric in (m.running, m.vllm_running):
-            metric.labels(m.model_name).dec()
+        m.untrack()
         for counter in m.success.labels(*model, finish_reason):
             counter.inc()
         for histogram in m.e2e.labels(*model):

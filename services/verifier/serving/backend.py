@@ -38,6 +38,20 @@ class StreamEvent:
     step: StepInfo | None = None  # None for an event holding only the prefill token
     totals: Totals | None = None  # only in the last event of a request that ended normally
     error: StreamError | None = None  # only in the last event of a request that failed
+    # Only in a request's first event with tokens: its leading prompt tokens whose keys and
+    # values came from the prefix cache instead of being computed.
+    num_cached_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineGauges:
+    """Where the engines behind a backend stand (what vLLM's server exports under the same
+    names): the KV cache's use, the requests in the running batch and those queued."""
+
+    kv_cache_usage: float  # fraction of the KV cache's blocks held by requests, 0..1
+    num_running: int  # in the running batch (decoding or being prefilled)
+    num_waiting: int  # submitted, not yet in the running batch
+    num_preemptions: int = 0  # all time: requests preempted for want of KV blocks
 
 
 @dataclass
@@ -53,8 +67,8 @@ class RequestHandle:
 
 
 def request_totals(handle: RequestHandle, completion_tokens: int, finish_reason: str, now: float,
-                   num_decoded: int | None = None,
-                   mean_accepted_length: float = 0.0) -> Totals:
+                   num_decoded: int | None = None, mean_accepted_length: float = 0.0,
+                   cached_tokens: int = 0) -> Totals:
     """The totals of a request that ended at `now` (time.perf_counter()), timed as its submitter
     saw it: from its arrival and `handle.first_token_at`. The decoding rate counts
     `num_decoded` tokens after the first token (default: all but the first)."""
@@ -66,7 +80,8 @@ def request_totals(handle: RequestHandle, completion_tokens: int, finish_reason:
                   time_to_first_token_s=first - handle.arrival, total_s=now - handle.arrival,
                   tokens_per_second=num_decoded / decode_s
                   if num_decoded > 0 and decode_s > 0 else 0.0,
-                  mean_accepted_length=mean_accepted_length, finish_reason=finish_reason)
+                  mean_accepted_length=mean_accepted_length, finish_reason=finish_reason,
+                  cached_tokens=cached_tokens)
 
 
 class Backend(Protocol):
@@ -90,6 +105,10 @@ class Backend(Protocol):
 
     def drain(self) -> None:
         """Admits nothing new; running requests go on."""
+        ...
+
+    def engine_gauges(self) -> EngineGauges | None:
+        """The engines' gauges now; None when they cannot be read (a worker is away)."""
         ...
 
     def close(self) -> None:

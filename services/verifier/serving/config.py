@@ -104,7 +104,9 @@ class FrontendConfig:
         None, "the model's name in the HTTP API (`model` field, /v1/models); unset: the model "
         "file's name")
     max_requests: int = option(64, "running + queued requests; beyond it RESOURCE_EXHAUSTED")
-    max_tokens_limit: int = option(2048, "largest max_tokens a request may ask for")
+    max_tokens_limit: int | None = option(
+        None, "largest max_tokens a request may ask for; unset: what the context window holds "
+        "beside one token of prompt")
     default_max_tokens: int = option(256, "max_tokens of a request that leaves it 0")
     grace_s: float = option(10.0, "on SIGTERM running requests get this long to finish")
     max_workers: int = 80  # gRPC handler threads (> max_requests, so refusals are answered)
@@ -113,7 +115,8 @@ class FrontendConfig:
     publish: "PublishConfig | None" = None
 
     def __post_init__(self) -> None:
-        if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
+        if self.default_max_tokens < 1 or (self.max_tokens_limit is not None and
+                                           self.default_max_tokens > self.max_tokens_limit):
             raise ValueError("need 1 <= default_max_tokens <= max_tokens_limit")
         if not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")

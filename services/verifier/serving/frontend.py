@@ -128,7 +128,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             if not prompt_ids:
                 raise InvalidRequest("prompt.tokens.token_ids: must not be empty")
         limit = self.config.max_tokens_limit
-        max_tokens = request.max_tokens or self.config.default_max_tokens
+        if limit is None:  # what the backend's context window holds beside the prompt
+            window = self.backend.limits.context_window if self.backend is not None else 0
+            limit = max(1, window - 1) if window else 1 << 30
+        max_tokens = request.max_tokens or min(self.config.default_max_tokens, limit)
         if not 1 <= max_tokens <= limit:
             raise InvalidRequest(f"max_tokens: {max_tokens} is outside [1, {limit}] (0 = "
                                  f"default {self.config.default_max_tokens})")
@@ -160,7 +163,7 @@ def to_response(event: StreamEvent) -> generate_pb2.GenerateResponse:
             prompt_tokens=t.prompt_tokens, completion_tokens=t.completion_tokens,
             time_to_first_token_s=t.time_to_first_token_s, total_s=t.total_s,
             tokens_per_second=t.tokens_per_second, mean_accepted_length=t.mean_accepted_length,
-            finish_reason=t.finish_reason))
+            finish_reason=t.finish_reason, cached_tokens=t.cached_tokens))
     return response
 
 
@@ -250,8 +253,8 @@ def start_frontend(config: FrontendConfig) -> Frontend:
     metrics = ApiMetrics(served_model_name(config))
     http = None
     if config.http:
-        api = OpenAIApi(metrics.model_name, config.engine.max_len, config.max_tokens_limit,
-                        config.default_max_tokens, config.max_workers, metrics)
+        api = OpenAIApi(metrics.model_name, config.max_tokens_limit, config.default_max_tokens,
+                        config.max_workers, metrics)
         http = HttpServer(api, config.host, config.http_port, tls.resolve(None)).start()
     servicer = GenerationServicer(config, metrics)
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers,

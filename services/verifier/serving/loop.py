@@ -23,6 +23,7 @@ from sssd.verifier.engine.request import GenerateRequest, RequestLimits
 from sssd.verifier.engine.sequence import Sequence
 from sssd.verifier.serving.backend import (
     Admission,
+    EngineGauges,
     RequestHandle,
     StepInfo,
     StreamEvent,
@@ -111,6 +112,14 @@ class EngineLoop:
     def drain(self) -> None:
         self.admission.drain()
 
+    def engine_gauges(self) -> EngineGauges:
+        """Read from any thread: each figure is one read of a number the loop keeps."""
+        engine = self.engine
+        running = engine.num_running
+        return EngineGauges(engine.kv_cache_usage, running,
+                            max(0, self.admission.num_requests - running),
+                            engine.num_preemptions)
+
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
             self._stopped = True
@@ -149,7 +158,7 @@ class EngineLoop:
                 seq = engine.abort(request_id)
                 if seq is not None:
                     self._finish(self._streams[request_id])
-            self.observer.on_queue(engine.num_waiting, engine.num_running)
+            self.observer.on_queue(self.engine_gauges())
             if not engine.has_work():
                 continue
             start = time.perf_counter()
@@ -192,8 +201,9 @@ class EngineLoop:
         end = len(text) if is_finished else stream_safe_end(text, stream.request.stop)
         delta = text[stream.sent_text:end] if end > stream.sent_text else ""
         stream.sent_text = max(stream.sent_text, end)
+        cached = stream.seq.num_cached_tokens if stream.sent_tokens == 0 and stream.seq else None
         stream.sent_tokens += len(row.token_ids)
-        handle.events.put(StreamEvent(row.token_ids, delta, info))
+        handle.events.put(StreamEvent(row.token_ids, delta, info, num_cached_tokens=cached))
 
     def _finish(self, stream: _Stream, error: StreamError | None = None) -> None:
         handle = stream.handle
@@ -212,6 +222,7 @@ class EngineLoop:
         num_decoded = len(seq.output_ids) - seq.num_resumed - 1
         totals = request_totals(handle, len(seq.output_ids), seq.finish_reason or "stop",
                                 time.perf_counter(), num_decoded,
-                                num_decoded / seq.num_steps if seq.num_steps else 0.0)
+                                num_decoded / seq.num_steps if seq.num_steps else 0.0,
+                                seq.num_cached_tokens or 0)
         handle.events.put(StreamEvent([], "", totals=totals))
         self.observer.on_finish(seq, totals, None)

@@ -16,6 +16,7 @@ from sssd.common.drafting.proposer import Proposer
 from sssd.common.rpc.totals import Totals
 from sssd.verifier.engine.output import StepOutput
 from sssd.verifier.engine.sequence import Sequence
+from sssd.verifier.serving.backend import EngineGauges
 from sssd.verifier.serving.errors import StreamError
 from sssd.verifier.serving.observers import LoopObserver
 
@@ -59,9 +60,22 @@ class DecodeMetrics(LoopObserver):
                                            "Verification forward pass per step, ms",
                                            boundaries=LATENCY_BOUNDARIES_MS, tag_keys=tags)
         self.queue_depth = metrics.Gauge("sssd_queue_depth",
-                                         "Requests waiting for a KV-cache slot", tag_keys=tags)
+                                         "Requests waiting to enter the running batch",
+                                         tag_keys=tags)
         self.running = metrics.Gauge("sssd_running_sequences", "Sequences in the running batch",
                                      tag_keys=tags)
+        self.kv_usage = metrics.Gauge("sssd_kv_cache_usage",
+                                      "Fraction of the KV cache's blocks held by sequences",
+                                      tag_keys=tags)
+        self.prefix_queries = metrics.Counter(
+            "sssd_prefix_cache_queries", "Prompt tokens of finished requests looked up in the "
+            "prefix cache", tag_keys=tags)
+        self.prefix_hits = metrics.Counter(
+            "sssd_prefix_cache_hits", "Prompt tokens of finished requests found in the prefix "
+            "cache (their keys and values not computed again)", tag_keys=tags)
+        self.preemptions = metrics.Gauge(
+            "sssd_preemptions", "Sequences preempted for want of KV blocks (all time)",
+            tag_keys=tags)
         self.drafter_errors = metrics.Counter(
             "sssd_drafter_errors", "Errors from the drafter (NOT_FOUND resends included)",
             tag_keys=tags)
@@ -81,6 +95,7 @@ class DecodeMetrics(LoopObserver):
             "cache", tag_keys=("worker", "source", "stat"))
         for metric in (self.requests, self.tokens, self.tokens_per_second, self.accepted,
                        self.budget, self.draft_ms, self.verify_ms, self.queue_depth, self.running,
+                       self.kv_usage, self.prefix_queries, self.prefix_hits, self.preemptions,
                        self.drafter_errors, self.drafter_fallbacks, self.conversations,
                        self.sources):
             metric.set_default_tags({"worker": worker})
@@ -118,8 +133,12 @@ class DecodeMetrics(LoopObserver):
                   error: StreamError | None) -> None:
         reason = totals.finish_reason if totals is not None else "error"
         self.requests.inc(1, tags={"finish_reason": reason})
+        if seq is not None and seq.num_cached_tokens is not None:
+            self.prefix_queries.inc(len(seq.request.context_ids))
+            if seq.num_cached_tokens:
+                self.prefix_hits.inc(seq.num_cached_tokens)
 
-    def on_queue(self, num_waiting: int, num_running: int) -> None:
+    def on_queue(self, gauges: EngineGauges) -> None:
         """Called every loop pass, idle ones included: all gauges are (re)set here, at most once
         per GAUGE_REFRESH_S, so they stay in Ray's export while the worker is idle (the windowed
         ones keep describing the last steps made)."""
@@ -127,8 +146,10 @@ class DecodeMetrics(LoopObserver):
         if now - self._refreshed < GAUGE_REFRESH_S:
             return
         self._refreshed = now
-        self.queue_depth.set(num_waiting)
-        self.running.set(num_running)
+        self.queue_depth.set(gauges.num_waiting)
+        self.running.set(gauges.num_running)
+        self.kv_usage.set(gauges.kv_cache_usage)
+        self.preemptions.set(gauges.num_preemptions)
         for name, gauge in (("tokens_per_second", self.tokens_per_second),
                             ("accepted", self.accepted), ("budget", self.budget)):
             if name in self._last:
@@ -174,10 +195,15 @@ class PrefillMetrics:
                                             "Prefill forward pass, ms",
                                             boundaries=LATENCY_BOUNDARIES_MS,
                                             tag_keys=("worker",))
-        for metric in (self.prefills, self.prompt_tokens, self.prefill_ms):
+        self.cached_tokens = metrics.Counter(
+            "sssd_prefill_cached_tokens", "Prompt tokens found in the prefill worker's prefix "
+            "cache (not computed again)", tag_keys=("worker",))
+        for metric in (self.prefills, self.prompt_tokens, self.prefill_ms, self.cached_tokens):
             metric.set_default_tags({"worker": worker})
 
-    def record(self, num_tokens: int, seconds: float) -> None:
+    def record(self, num_tokens: int, seconds: float, num_cached: int = 0) -> None:
         self.prefills.inc(1)
         self.prompt_tokens.inc(num_tokens)
+        if num_cached:
+            self.cached_tokens.inc(num_cached)
         self.prefill_ms.observe(1e3 * seconds)

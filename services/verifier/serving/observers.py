@@ -17,6 +17,7 @@ from sssd.common.rpc.totals import Totals
 from sssd.verifier.engine.budget_policy import MeasuredBudget
 from sssd.verifier.engine.output import StepOutput
 from sssd.verifier.engine.sequence import Sequence
+from sssd.verifier.serving.backend import EngineGauges
 from sssd.verifier.serving.errors import StreamError
 
 logger = logging.getLogger(__name__)
@@ -35,8 +36,9 @@ class LoopObserver:
         """A request ended: with its sequence and totals (finished or cancelled), or with an
         error (then `seq` may be None)."""
 
-    def on_queue(self, num_waiting: int, num_running: int) -> None:
-        """The number of queued (not yet admitted) and running requests, once per loop pass."""
+    def on_queue(self, gauges: EngineGauges) -> None:
+        """The engine's gauges (its KV cache's use, running and queued requests), once per
+        loop pass."""
 
     def close(self) -> None:
         """The loop has stopped: release resources (connections, background threads)."""
@@ -57,9 +59,9 @@ class Observers(LoopObserver):
         for observer in self.observers:
             observer.on_finish(seq, totals, error)
 
-    def on_queue(self, num_waiting: int, num_running: int) -> None:
+    def on_queue(self, gauges: EngineGauges) -> None:
         for observer in self.observers:
-            observer.on_queue(num_waiting, num_running)
+            observer.on_queue(gauges)
 
     def close(self) -> None:
         for observer in self.observers:

@@ -47,7 +47,13 @@ from ray.exceptions import ObjectLostError, RayActorError
 
 from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.engine.request import GenerateRequest, RequestLimits, end_reason
-from sssd.verifier.serving.backend import Admission, RequestHandle, StreamEvent, request_totals
+from sssd.verifier.serving.backend import (
+    Admission,
+    EngineGauges,
+    RequestHandle,
+    StreamEvent,
+    request_totals,
+)
 from sssd.verifier.serving.config import RayConfig
 from sssd.verifier.serving.errors import ErrorKind, StreamError
 from sssd.verifier.serving.placement import plan_workers
@@ -72,6 +78,8 @@ class WorkerSlot:
 class _WorkerLost(Exception):
     """A worker died (or its result was lost) during one attempt at a request."""
 
+
+GAUGES_TIMEOUT_S = 2.0  # a /metrics read waits this long for the decode workers' gauges
 
 # Put in a request's queue by the events reader when its decode worker died.
 _LOST = object()
@@ -169,8 +177,9 @@ class RayBackend:
         # Every decode worker is built from the one engine config, so they offer the same
         # drafting sources; a request naming another is refused here, before any prefill.
         sources = infos[len(self._prefill)]["sources"]
-        limits = RequestLimits.for_context(infos[0]["vocab_size"], self.engine_config.max_len,
-                                           sources)
+        # The workers' window: the model's, as far as their KV caches hold it.
+        window = min(info["context_window"] for info in infos)
+        limits = RequestLimits.for_context(infos[0]["vocab_size"], window, sources)
         self._eos_token_ids = frozenset(infos[len(self._prefill)]["eos_token_ids"])
         self.admission = Admission(self.max_requests, limits)
         for slot in self._decode:
@@ -217,6 +226,23 @@ class RayBackend:
             self.admission.drain()
         for slot in self._decode:
             slot.actor.drain.remote()
+
+    def engine_gauges(self, timeout_s: float = GAUGES_TIMEOUT_S) -> EngineGauges | None:
+        """The decode workers' gauges together (their KV caches' mean use); requests in a
+        prefill worker or on their way count as waiting. None when a worker does not answer
+        within `timeout_s`."""
+        slots = [slot for slot in self._decode if slot.up]
+        if not slots:
+            return None
+        try:
+            each = ray.get([slot.actor.engine_gauges.remote() for slot in slots],
+                           timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - a worker away: no gauges this time
+            return None
+        running = sum(g.num_running for g in each)
+        return EngineGauges(sum(g.kv_cache_usage for g in each) / len(each), running,
+                            max(0, self.num_requests - running),
+                            sum(g.num_preemptions for g in each))
 
     def close(self, timeout: float = 10.0) -> None:
         """Closes the decode workers' loops, ends the workers and a Ray cluster started here."""
@@ -369,7 +395,8 @@ class RayBackend:
                 if event.totals is not None:  # timed here: includes the transfers
                     totals = request_totals(handle, event.totals.completion_tokens,
                                             event.totals.finish_reason, now,
-                                            mean_accepted_length=event.totals.mean_accepted_length)
+                                            mean_accepted_length=event.totals.mean_accepted_length,
+                                            cached_tokens=event.totals.cached_tokens)
                     event = replace(event, totals=totals)
                 progress.token_ids.extend(event.token_ids)
                 progress.text_chars += len(event.text)

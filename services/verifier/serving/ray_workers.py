@@ -30,7 +30,7 @@ from sssd.common.model.threads import off_main_thread
 from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.engine.handoff import PrefilledPrompt
 from sssd.verifier.engine.request import GenerateRequest, InvalidRequest
-from sssd.verifier.serving.backend import StreamEvent
+from sssd.verifier.serving.backend import EngineGauges, StreamEvent
 from sssd.verifier.serving.errors import ErrorKind, ServingError, StreamError
 from sssd.verifier.serving.metrics import PrefillMetrics
 
@@ -92,24 +92,48 @@ def decode_worker_profile(profile_path: str | None, own_prefill: bool = False) -
 
 
 class PrefillWorker(_ModelWorker):
-    """Runs prompts through the model and hands their KV cache over (one prompt at a time)."""
+    """Runs prompts through the model and hands their KV cache over (one prompt at a time).
+
+    Its KV cache is a prefix cache: a prompt takes the blocks of the longest prefix an earlier
+    prompt computed (a system prompt, a conversation's earlier turns) and computes the rest;
+    the whole prompt's keys and values still travel to the decode worker."""
 
     def __init__(self, config: EngineConfig, name: str, torch_threads: int = 1,
                  metrics: bool = True) -> None:
-        from sssd.verifier.engine.model_runner import ModelRunner  # torch: workers only
+        from sssd.verifier.engine.block_manager import BlockManager  # torch: workers only
+        from sssd.verifier.factory import build_runner
 
         super().__init__(config, name, torch_threads)
-        self.runner = ModelRunner(self.loaded.model, max_seqs=1, max_len=self.config.max_len,
-                                  attention=self.config.attention,
-                                  model_impl=self.config.model_impl)
+        self.runner = build_runner(self.config, self.loaded)
+        self.blocks = BlockManager(self.runner.cache.num_blocks, self.runner.block_size,
+                                   self.runner.prefix_salt, self.config.enable_prefix_caching)
         self.metrics = None
         if metrics:
             self.metrics = PrefillMetrics(name)
 
+    def ready(self) -> dict:
+        from sssd.verifier.engine.scheduler import CHUNK_PADDING
+
+        cache_positions = self.blocks.num_blocks * self.blocks.block_size
+        return {**super().ready(),
+                "context_window": min(self.runner.max_len, cache_positions - CHUNK_PADDING)}
+
     def prefill(self, prompt_ids: tuple[int, ...]) -> PrefilledPrompt:
-        prefilled = self.runner.prefill_for_handoff(prompt_ids)
+        from sssd.verifier.engine.scheduler import CHUNK_PADDING
+
+        table = self.blocks.admit(prompt_ids)
+        try:
+            if not self.blocks.ensure(table, len(prompt_ids) + CHUNK_PADDING):
+                raise ValueError(f"a prompt of {len(prompt_ids)} tokens does not fit this "
+                                 f"prefill worker's KV cache of {self.blocks.num_blocks} blocks")
+            self.blocks.record_lookup(len(prompt_ids), table.num_cached)
+            prefilled = self.runner.prefill_for_handoff(prompt_ids, table.blocks,
+                                                        table.num_cached)
+            self.blocks.register_full(table, len(prompt_ids), lambda p: prompt_ids[p:])
+        finally:
+            self.blocks.release(table)
         if self.metrics is not None:
-            self.metrics.record(len(prompt_ids), prefilled.prefill_s)
+            self.metrics.record(len(prompt_ids), prefilled.prefill_s, prefilled.num_cached_tokens)
         return prefilled
 
 
@@ -138,7 +162,8 @@ class DecodeWorker(_ModelWorker):
 
     def ready(self) -> dict:
         return {**super().ready(), "sources": self.loop.limits.sources,
-                "eos_token_ids": tuple(self.loaded.eos_token_ids)}
+                "eos_token_ids": tuple(self.loaded.eos_token_ids),
+                "context_window": self.loop.limits.context_window}
 
     def submit(self, request_id: str, request: GenerateRequest,
                prefilled: PrefilledPrompt | None, subscriber: str) -> StreamError | None:
@@ -187,6 +212,9 @@ class DecodeWorker(_ModelWorker):
 
     def num_requests(self) -> int:
         return self.loop.num_requests
+
+    def engine_gauges(self) -> EngineGauges:
+        return self.loop.engine_gauges()
 
     def drain(self) -> None:
         self.loop.drain()

@@ -164,7 +164,7 @@ def separate_and_merged(runner_factory, prompts):
         else:
             verified = runner.verify([tree])
             prompt_logits = [runner.prefill(slot, prompt) for slot, prompt in admitted]
-        runner.commit([[1, 2]])
+        runner.commit_slots([[1, 2]])
         after = runner.verify([chain(int(logits.argmax()), 3)
                                for logits in [verified[0, 2]] + prompt_logits])
         results.append((verified, prompt_logits, after))

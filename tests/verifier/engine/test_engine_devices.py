@@ -197,7 +197,7 @@ def test_at_the_fixed_shape_a_tree_node_gets_plain_decodings_logits_to_the_bit(
     for node in (0, 2, 3, 4):  # the path root -> 2 -> 3 -> 4, a token a step
         alone = plain_runner.verify([DraftTree(np.array([tokens[node]], np.int32),
                                                np.array([-1], np.int32))])[0, 0]
-        plain_runner.commit([[]])
+        plain_runner.commit_slots([[]])
         assert torch.equal(logits[node], alone), node
 
 

@@ -181,31 +181,35 @@ def test_a_token_outside_the_vocabulary_is_a_drafter_failure_not_a_crash(
 
 def test_a_step_that_admits_runs_one_forward_pass_and_teaches_the_policy_nothing(
         engine_factory, mt_bench_prompts, greedy_references):
-    """Three prompts, two slots: the third is admitted while the others decode, and its prompt
-    rides in their verification pass. Outputs stay those of plain greedy decoding."""
+    """Three prompts, two running at once: the third is admitted while the others decode, and
+    its prompt rides in their verification pass. Outputs stay those of plain greedy decoding."""
     engine, _ = engine_factory(2, proposer=None)
     passes, observed = [], []
-    runner_pass, policy_observe = engine.runner.verify_and_prefill, engine.budget_policy.observe
+    runner_pass, policy_observe = engine.runner.forward, engine.budget_policy.observe
 
-    def verify_and_prefill(trees, prompts):
-        passes.append((len(trees), [slot for slot, _ in prompts]))
-        return runner_pass(trees, prompts)
+    def forward(trees, chunks):
+        passes.append((len(trees), [len(chunk.token_ids) for chunk in chunks]))
+        return runner_pass(trees, chunks)
 
     def observe(batch_size, budget, accepted_nodes, step_s, rows=None):
         observed.append((len(passes), step_s))
         policy_observe(batch_size, budget, accepted_nodes, step_s)
 
-    engine.runner.verify_and_prefill, engine.budget_policy.observe = verify_and_prefill, observe
+    engine.runner.forward, engine.budget_policy.observe = forward, observe
     sequences = [engine.add_request(GenerateRequest(tuple(prompt), max_tokens))
                  for prompt, max_tokens in zip(mt_bench_prompts[:3], (6, 20, 12))]
     num_steps = 0
     while engine.has_work():
         engine.step()
         num_steps += 1
-    assert len(passes) == num_steps  # one pass per step, none for a step of admissions only
-    assert passes[0] == (0, [0, 1])  # both first prompts in one pass
-    mixed = [i for i, (num_trees, slots) in enumerate(passes) if num_trees and slots]
-    assert len(mixed) == 1 and passes[mixed[0]] == (1, [1])  # the third, beside the second
+    assert len(passes) == num_steps  # one pass per step
+    lengths = [len(prompt) for prompt in mt_bench_prompts[:3]]
+    assert passes[0] == (0, lengths[:2])  # both first prompts in one pass
+    mixed = [i for i, (num_trees, chunks) in enumerate(passes) if num_trees and chunks]
+    assert len(mixed) == 1 and passes[mixed[0]][0] == 1  # the third beside the second
+    # ... less the blocks of its chat template the first two left in the prefix cache
+    (third,) = passes[mixed[0]][1]
+    assert 0 < third <= lengths[2] and (lengths[2] - third) % engine.blocks.block_size == 0
     for after_pass, step_s in observed:
         assert (step_s is None) == (after_pass - 1 in mixed)
     for seq, reference, max_tokens in zip(sequences, greedy_references, (6, 20, 12)):

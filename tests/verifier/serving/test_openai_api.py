@@ -340,6 +340,42 @@ def test_metrics_under_our_names_and_vllms(frontend, sdk, model_name, mt_bench_p
         after["vllm:generation_tokens_total" + label] + 3
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens_in_usage_and_metrics(frontend, sdk,
+                                                                          model_name):
+    """The second request of one long prompt takes its full blocks from the prefix cache:
+    usage.prompt_tokens_details.cached_tokens says how many, the vLLM-named counters count
+    them, and the answer is the first one's."""
+    def scrape() -> dict[str, float]:
+        _, body, _ = get(frontend, "/metrics")
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in body.decode().splitlines() if line and not line.startswith("#")}
+
+    label = f'{{model_name="{model_name}"}}'
+    prompt = " ".join(f"item {i}: the value is {i * 7 % 13}." for i in range(60))
+    first = sdk.completions.create(model=model_name, prompt=prompt, max_tokens=8,
+                                   temperature=0, extra_body={"speculation": "off"})
+    before = scrape()
+    second = sdk.completions.create(model=model_name, prompt=prompt, max_tokens=8,
+                                    temperature=0, extra_body={"speculation": "off"})
+    after = scrape()
+    num_prompt = second.usage.prompt_tokens
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert num_prompt > 300
+    # Every full block but the one holding the last prompt token (its logits are computed).
+    assert num_prompt - 32 <= cached < num_prompt and cached % 16 == 0
+    assert second.choices[0].text == first.choices[0].text
+    for prefix in ("vllm:", "sssd_api_"):
+        assert after[prefix + "prefix_cache_queries_total" + label] - \
+            before[prefix + "prefix_cache_queries_total" + label] == num_prompt
+        assert after[prefix + "prefix_cache_hits_total" + label] - \
+            before[prefix + "prefix_cache_hits_total" + label] == cached
+    usage = after["vllm:kv_cache_usage_perc" + label]
+    assert 0 <= usage <= 1  # idle between requests: nothing held but by running ones
+    assert after["vllm:num_requests_running" + label] == 0
+    assert after["vllm:num_requests_waiting" + label] == 0
+    assert "vllm:num_preemptions_total" + label in after
+
+
 def test_speculation_field(sdk, model_name, mt_bench_prompts, greedy_references,
                            target_model_fp32):
     text = target_model_fp32.tokenizer.decode(greedy_references[0][:24], skip_special_tokens=True)

@@ -1,6 +1,6 @@
-// The attention entry points (kernels.h): the checks, the path cpu_paths.h chooses (the AVX-512
-// tree and prompt attentions, the AVX2 tree attention, or the portable loop below), and the work
-// split over the OpenMP threads by (row, key head).
+// The attention entry point (kernels.h): the checks, the path cpu_paths.h chooses (the AVX-512
+// or AVX2 tree attention, or the portable loop below), and the work split over the OpenMP
+// threads by (row, key head).
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -117,19 +117,6 @@ void attention(const KvLayout& cache, int64_t layer, const StepRows& rows, const
     if (path == Path::kAvx2 && detail::attend_avx2(problem, s, g)) continue;
     attend_portable(problem, s, g);
   }
-}
-
-bool prompt_attention(const KvLayout& cache, int64_t layer, const StepRows& rows, const void* q,
-                      void* out, int64_t heads, float scale) {
-  if (rows.num_seqs != 1 || rows.num_nodes < 1) {
-    throw std::invalid_argument("prompt_attention: one row of at least one position");
-  }
-  const AttentionProblem checked =
-      problem_of(cache, layer, rows, q, out, heads, scale, "prompt_attention");
-  if (path_of(Kernel::kPromptAttention, cache.dtype) != Path::kAvx512) return false;
-  AttentionProblem problem = checked;
-  problem.amx = path_of(Kernel::kAttentionScores, cache.dtype) == Path::kAmx;
-  return detail::prompt_attention_avx512(problem);
 }
 
 }  // namespace sssd::kernels

@@ -1,7 +1,6 @@
-// What the AVX-512 attention paths share (tree_attention_avx512.cc, prompt_attention_avx512.cc,
-// attention_scores_amx.cc, attention_scores_dpbf16.cc): a thread's scratch, the paged keys and
-// values of one (row, key head), the exp and the reductions, and pass 3 (the weighted values),
-// which every path runs on the vector units.
+// What the AVX-512 attention's files share (tree_attention_avx512.cc, attention_scores_amx.cc,
+// attention_scores_dpbf16.cc): a thread's scratch, the exp and the reductions, and pass 3 (the
+// weighted values), which every path runs on the vector units.
 //
 // Pass 3 stays on the vector units for every path: the tile unit adds an instruction's 32
 // products before it rounds, so weighted values on tiles would round by how a node's keys fall
@@ -51,17 +50,6 @@ bool scores_amx(const AttentionProblem& problem, int64_t s, int64_t g, const Pag
 bool scores_dpbf16(const AttentionProblem& problem, int64_t s, int64_t g,
                    const PagedHead& head, int64_t length, int64_t stride, float* scores,
                    Scratch& scratch);
-// A prompt block's scores on the tile unit (for prompt_attention_avx512.cc): `count` bfloat16 query
-// rows (`query_bits`, rows head_dim apart, padded with zero rows to a multiple of 16) against the
-// key blocks [0, num_blocks) packed by `pack_key_pairs`.
-void prompt_scores_amx(const uint16_t* query_bits, int64_t count, const uint32_t* pairs,
-                       int64_t num_blocks, int64_t head_dim, float* scores, int64_t stride);
-// Positions [first, first + 16) of one key head's bfloat16 keys (`keys`: position `first`,
-// the next 15 following it) as the tile unit reads a block of 16 keys: [head_dim / 2][16]
-// pairs of dimensions; a position at or past `length` as zeros.
-void pack_key_pairs(const uint16_t* keys, int64_t first, int64_t length, int64_t head_dim,
-                    uint32_t* out);
-
 namespace {
 
 // Lane k of the result: the sum of the sixteen lanes of v[k]. Every v[k] is summed by the same

@@ -4,7 +4,7 @@
 // its query and its key alone (each output of TDPBF16PS is its row of the one tile times its
 // column of the other), so a query's result still depends only on the keys it sees; the scores
 // differ from the vector loop's in the order of their sums. Pass 3 stays on the vector units
-// (attention_avx512.h says why). For trees (scores_amx) and for prompts (prompt_scores_amx).
+// (attention_avx512.h says why).
 //
 // Compiled with -mamx-tile -mamx-bf16 and AVX-512 (CMakeLists.txt); called only where the CPU
 // and its OS offer the tiles (cpu_paths.h).
@@ -73,56 +73,7 @@ void tree_scores(const AttentionProblem& problem, int64_t s, int64_t g, const Pa
   _tile_release();
 }
 
-// A prompt block's scores on the AMX tile unit: scores[i * stride + p] = <query i, key p>
-// (unscaled) for the `count` bfloat16 queries of `query_bits` (rows HD apart, padded with zero
-// rows to a multiple of 16) and the key blocks [0, num_blocks) of `pairs` (pack_key_pairs).
-// A tile of 16 queries stays in tiles 2-5 (one per 32 dimensions) while the key blocks pass:
-// per 16 x 16 scores, one tile load and one TDPBF16PS per 32 dimensions, summed in tile 0. As
-// in the tree's scores_amx, a score is a function of its query and its key alone.
-template <int64_t HD>
-void prompt_scores(const uint16_t* query_bits, int64_t count, const uint32_t* pairs,
-                   int64_t num_blocks, float* scores, int64_t stride) {
-  constexpr int64_t kSpans = HD / 32;
-  static_assert(kSpans == 2 || kSpans == 4, "heads of 64 or 128");
-  constexpr int64_t kBlock = HD / 2 * 16;  // uint32 per packed block of 16 keys
-  constexpr int kRow = HD * sizeof(uint16_t);
-  _tile_loadconfig(&kTiles16x64);
-  const int64_t tiles = (count + 15) / 16;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const uint16_t* rows = query_bits + t * 16 * HD;
-    _tile_loadd(2, rows, kRow);
-    _tile_loadd(3, rows + 32, kRow);
-    if constexpr (kSpans == 4) {
-      _tile_loadd(4, rows + 64, kRow);
-      _tile_loadd(5, rows + 96, kRow);
-    }
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const uint32_t* block = pairs + b * kBlock;
-      _tile_zero(0);
-      _tile_loadd(6, block, 64);
-      _tile_dpbf16ps(0, 2, 6);
-      _tile_loadd(7, block + 256, 64);
-      _tile_dpbf16ps(0, 3, 7);
-      if constexpr (kSpans == 4) {
-        _tile_loadd(6, block + 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, block + 768, 64);
-        _tile_dpbf16ps(0, 5, 7);
-      }
-      _tile_stored(0, scores + t * 16 * stride + b * 16,
-                   stride * static_cast<int64_t>(sizeof(float)));
-    }
-  }
-  _tile_release();
-}
-
 }  // namespace
-
-void pack_key_pairs(const uint16_t* keys, int64_t first, int64_t length, int64_t head_dim,
-                    uint32_t* out) {
-  head_dim == 64 ? pack_pairs<64>(keys, first, length, out)
-                 : pack_pairs<128>(keys, first, length, out);
-}
 
 bool scores_amx(const AttentionProblem& problem, int64_t s, int64_t g, const PagedHead& head,
                 int64_t length, int64_t stride, float* scores, Scratch& scratch) {
@@ -131,12 +82,6 @@ bool scores_amx(const AttentionProblem& problem, int64_t s, int64_t g, const Pag
     case 128: tree_scores<128>(problem, s, g, head, length, stride, scores, scratch); return true;
     default: return false;
   }
-}
-
-void prompt_scores_amx(const uint16_t* query_bits, int64_t count, const uint32_t* pairs,
-                       int64_t num_blocks, int64_t head_dim, float* scores, int64_t stride) {
-  head_dim == 64 ? prompt_scores<64>(query_bits, count, pairs, num_blocks, scores, stride)
-                 : prompt_scores<128>(query_bits, count, pairs, num_blocks, scores, stride);
 }
 
 }  // namespace sssd::kernels::detail

@@ -50,8 +50,7 @@ struct Rows : k::StepRows {};
 NB_MODULE(_kernels, m) {
   m.doc() = "CPU operations of the project's forward pass: products, norms, rotary, attention.";
   m.attr("MAX_TREE_NODES") = k::kMaxTreeNodes;
-  m.attr("KERNELS") = nb::make_tuple("tree_attention", "attention_scores", "prompt_attention",
-                                     "panels", "argmax");
+  m.attr("KERNELS") = nb::make_tuple("tree_attention", "attention_scores", "panels", "argmax");
 
   // --- the kernel paths --------------------------------------------------------------------
   m.def("cpu_features", [] {
@@ -138,13 +137,6 @@ NB_MODULE(_kernels, m) {
     k::attention(cache, layer, rows, ptr(q), ptr(out), heads, scale);
   }, nb::call_guard<nb::gil_scoped_release>(), "cache"_a, "layer"_a, "rows"_a, "q"_a, "out"_a,
         "heads"_a, "scale"_a);
-  m.def("prompt_attention", [](const k::KvLayout& cache, int64_t layer, const Rows& rows,
-                               uintptr_t q, uintptr_t out, int64_t heads, float scale) {
-    return k::prompt_attention(cache, layer, rows, ptr(q), ptr(out), heads, scale);
-  }, nb::call_guard<nb::gil_scoped_release>(), "cache"_a, "layer"_a, "rows"_a, "q"_a, "out"_a,
-        "heads"_a, "scale"_a,
-        "Causal attention of a prompt chunk over the keys before it; False where no path "
-        "applies.");
   m.def("move_positions", [](const k::KvLayout& cache, const std::vector<int64_t>& sources,
                              const std::vector<int64_t>& targets) {
     try {

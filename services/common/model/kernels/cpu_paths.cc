@@ -7,12 +7,11 @@ namespace sssd::kernels {
 namespace {
 
 constexpr const char* kKernelNames[kNumKernels] = {"tree_attention", "attention_scores",
-                                                   "prompt_attention", "panels", "argmax"};
+                                                   "panels", "argmax"};
 constexpr const char* kPathNames[] = {"none", "portable", "avx2", "avx512", "dpbf16", "amx"};
 constexpr int32_t kNotForced = -1;
 
-std::atomic<int32_t> forced[kNumKernels] = {kNotForced, kNotForced, kNotForced, kNotForced,
-                                            kNotForced};
+std::atomic<int32_t> forced[kNumKernels] = {kNotForced, kNotForced, kNotForced, kNotForced};
 
 CpuFeatures read_features() {
   CpuFeatures features;
@@ -38,8 +37,6 @@ Path best(Kernel kernel, Dtype dtype) {
       if (bf16 && cpu.amx_bf16) return Path::kAmx;
       if (bf16 && cpu.avx512_bf16) return Path::kDpbf16;
       return Path::kAvx512;
-    case Kernel::kPromptAttention:
-      return cpu.avx512 ? Path::kAvx512 : Path::kNone;
     case Kernel::kPanels:
       if (bf16 ? cpu.avx512_bf16 : cpu.avx512) return Path::kAvx512;
       return cpu.avx2_fma ? Path::kAvx2 : Path::kNone;
@@ -60,8 +57,6 @@ bool runs(Kernel kernel, Path path, Dtype dtype) {
     case Kernel::kAttentionScores:  // the float32 scores are always the vector loop's
       return (path == Path::kAvx512 && cpu.avx512) ||
              (path == Path::kDpbf16 && cpu.avx512_bf16) || (path == Path::kAmx && cpu.amx_bf16);
-    case Kernel::kPromptAttention:
-      return path == Path::kNone || (path == Path::kAvx512 && cpu.avx512);
     case Kernel::kPanels:
       return path == Path::kNone || (path == Path::kAvx2 && cpu.avx2_fma) ||
              (path == Path::kAvx512 && (bf16 ? cpu.avx512_bf16 : cpu.avx512));

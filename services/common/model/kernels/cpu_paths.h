@@ -23,12 +23,11 @@ const CpuFeatures& cpu_features();
 // The kernels whose implementation is chosen.
 enum class Kernel : int32_t {
   kTreeAttention,    // attention(): portable, avx2, avx512
-  kAttentionScores,  // the avx512 attentions' scores in bfloat16: avx512, dpbf16 (trees), amx
-  kPromptAttention,  // prompt_attention(): avx512, or none (the caller attends by other means)
+  kAttentionScores,  // the avx512 attention's scores in bfloat16: avx512, dpbf16, amx
   kPanels,           // linear_bf16 / linear_f32 / read_bytes: avx512, avx2, or none
   kArgmax,           // argmax_rows(): portable, avx512
 };
-inline constexpr int32_t kNumKernels = 5;
+inline constexpr int32_t kNumKernels = 4;
 
 enum class Path : int32_t { kNone, kPortable, kAvx2, kAvx512, kDpbf16, kAmx };
 

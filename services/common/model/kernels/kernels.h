@@ -55,20 +55,12 @@ void rope_and_store(const KvLayout& cache, int64_t layer, const StepRows& rows, 
 //   out [num_seqs, num_nodes, heads * head_dim].
 // Query head h reads key head h / (heads / kv_heads). Softmax in float32. The sums over keys run
 // in position order over the visible keys only, so a query's result depends on what it sees,
-// not on the batch, the tree's shape, its padding or the blocks that hold the keys.
+// not on the batch, the tree's shape, its padding or the blocks that hold the keys. A prompt (or
+// a chunk of one) is a chain: in rows of up to kMaxTreeNodes tokens, each seeing the row's cached
+// positions and its own tokens before it, so a position's keys and values come out the same
+// bits whether it was prefilled or decoded.
 void attention(const KvLayout& cache, int64_t layer, const StepRows& rows, const void* q,
                void* out, int64_t heads, float scale);
-
-// Causal attention of a prompt, or of a chunk of one: one row whose rows.num_nodes positions
-// follow its rows.cache_lens[0] cached ones (rope_and_store wrote them); query j sees keys
-// 0 .. cache_lens[0] + j.
-//   q [num_nodes, heads, head_dim] (rope_and_store's q_out); out [num_nodes, heads * head_dim].
-// Softmax and every sum in float32, over each query's keys in position order, so a query's
-// result depends on the keys before it alone (not on the chunking). Returns false, having done
-// nothing, where it does not apply (cpu_paths.h chooses no path for it, head_dim other than 64
-// or 128): the caller then attends by other means.
-bool prompt_attention(const KvLayout& cache, int64_t layer, const StepRows& rows, const void* q,
-                      void* out, int64_t heads, float scale);
 
 // out[r] = the index of the first maximum of row r of x [rows, cols], as torch.argmax: a NaN
 // counts as the maximum (the row's first NaN), -0.0 equals 0.0. Greedy verification's token per

@@ -40,8 +40,8 @@ struct StepRows {
   const int32_t* block_tables = nullptr;  // [num_seqs, max_blocks]
   int64_t max_blocks = 0;
   // [num_seqs, num_nodes]: bit a of node j set when node j sees node a (itself and its
-  // ancestors); null for a step whose rows are chains (prompts), where each token sees the
-  // ones before it.
+  // ancestors); null where no attention reads it (rope_and_store, trees of more nodes than
+  // attention() takes).
   const uint64_t* tree_bits = nullptr;
   const int64_t* position_ids = nullptr;  // [num_seqs * num_nodes] each token's rotary position
 };

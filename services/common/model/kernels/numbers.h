@@ -1,5 +1,5 @@
 // Number formats shared by the portable kernels and the vector ones, and the entry points of
-// the attention paths (tree_attention_avx512.cc, prompt_attention_avx512.cc, attention_avx2.cc).
+// the attention paths (tree_attention_avx512.cc, attention_avx2.cc).
 #pragma once
 
 #include <algorithm>
@@ -75,11 +75,6 @@ inline float exp_nonpositive(float x) {
 }
 
 }  // namespace
-
-// prompt_attention's AVX-512 body, for a problem of one row whose num_nodes positions follow its
-// cache_lens[0] cached ones (tree_bits unused: each position sees the ones before it); false when
-// it does not apply (head_dim other than 64 or 128).
-bool prompt_attention_avx512(const AttentionProblem& problem);
 
 // The AVX-512 attention for one (row, key head) pair; false when it does not apply (head_dim
 // other than 64 or 128): the caller then runs the portable one.

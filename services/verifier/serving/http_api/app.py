@@ -39,12 +39,12 @@ logger = logging.getLogger(__name__)
 class OpenAIApi:
     """The HTTP API's handlers; `attach` a backend and tokenizer to serve."""
 
-    def __init__(self, model_name: str, max_model_len: int, max_tokens_limit: int,
+    def __init__(self, model_name: str, max_tokens_limit: int | None,
                  default_max_tokens: int, max_workers: int,
                  metrics: ApiMetrics | None = None) -> None:
         self.model_name = model_name
-        self.max_model_len = max_model_len
-        self.max_tokens_limit = max_tokens_limit
+        self.max_model_len = 0  # the backend's context window, once attached
+        self.max_tokens_limit = max_tokens_limit  # None: what the window holds
         self.default_max_tokens = default_max_tokens
         self.parser: RequestParser | None = None  # with the tokenizer, once attached
         self.metrics = metrics or ApiMetrics(model_name)
@@ -66,9 +66,12 @@ class OpenAIApi:
                                Exception: self._internal})
 
     def attach(self, backend: Backend, tokenizer) -> None:
-        self.parser = RequestParser(self.model_name, tokenizer, self.max_tokens_limit,
-                                    self.default_max_tokens)
+        self.max_model_len = backend.limits.context_window
+        limit = self.max_tokens_limit or max(1, self.max_model_len - 1)
+        self.parser = RequestParser(self.model_name, tokenizer, limit,
+                                    min(self.default_max_tokens, limit))
         self.backend = backend
+        self.metrics.gauges = backend.engine_gauges
         self.state = "serving"
 
     def close(self) -> None:
@@ -88,7 +91,9 @@ class OpenAIApi:
         return JSONResponse({"status": self.state}, status_code=503)
 
     async def export_metrics(self, request: Request) -> Response:
-        return Response(self.metrics.export(), media_type=CONTENT_TYPE)
+        # Off the event loop: a Ray backend's gauges come from its workers.
+        body = await asyncio.get_running_loop().run_in_executor(self._pool, self.metrics.export)
+        return Response(body, media_type=CONTENT_TYPE)
 
     async def tokenize(self, request: Request) -> Response:
         try:

@@ -34,11 +34,14 @@ class Answer:
         self.num_tokens = 0
         self.num_steps = 0
         self.num_accepted = 0
+        self.num_cached_tokens: int | None = None  # known from the first event with tokens
         self.totals = None
 
     def add(self, event: StreamEvent) -> None:
         self.text.append(event.text)
         self.num_tokens += len(event.token_ids)
+        if event.num_cached_tokens is not None:
+            self.num_cached_tokens = event.num_cached_tokens
         if event.step is not None:
             self.num_steps += 1
             self.num_accepted += event.step.accepted_tokens
@@ -46,8 +49,11 @@ class Answer:
             self.totals = event.totals
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_tokens,
-                "total_tokens": self.num_prompt_tokens + self.num_tokens}
+        usage = {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_tokens,
+                 "total_tokens": self.num_prompt_tokens + self.num_tokens}
+        if self.num_cached_tokens is not None:  # OpenAI's field: prompt tokens not recomputed
+            usage["prompt_tokens_details"] = {"cached_tokens": self.num_cached_tokens}
+        return usage
 
     def speculation(self) -> dict:
         return {"mode": self.parsed.mode, "verification_steps": self.num_steps,
