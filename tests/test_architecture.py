@@ -254,7 +254,8 @@ def test_flags_come_from_the_config_fields():
     assert (config.max_batch_size, config.datastore_dir, config.budget_policy) == \
         (3, "x", "measured")
     help_text = " ".join(parser.format_help().split())
-    assert "running sequences (KV-cache slots) (default 8)" in help_text
+    assert "the most sequences running at once (each holds KV blocks while it runs: memory " \
+        "bounds them too) (default 64)" in help_text
     with pytest.raises(SystemExit):  # choices from the field
         parser.parse_args(["--mode", "fast"])
     with pytest.raises(ValueError, match="max_batch_size"):  # the config's own check
