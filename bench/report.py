@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 import tomllib
 from collections.abc import Callable, Iterable
@@ -202,6 +203,82 @@ def http_rows(source: Source) -> list[list[str]]:
 HTTP_HEADER = ["model", "prompts", "c", *HTTP_SERVERS, "machine, results"]
 
 
+def _code_cell(summary: dict | None) -> str:
+    if summary is None:
+        return ""
+    return f"{summary['median_tok_s']:.1f} ({summary['median_speedup']:.2f}x)"
+
+
+def long_context_rows(source: Source) -> list[list[str]]:
+    """bench/long_context.py's lines: per measure, the engine beside vLLM's CPU build."""
+    rows = source.rows()
+    out = []
+    for model in sorted({r["model"] for r in rows}):
+        mine = [r for r in rows if r["model"] == model]
+        label = source.model or model
+
+        def cells(part: str, mode: str, value, where=lambda r: True) -> list[str]:
+            """The engine's and vLLM's median of `value` over the part's rows."""
+            found = []
+            for system in ("engine", "vllm"):
+                values = [value(r) for r in mine if r["part"] == part and r["system"] == system
+                          and r["mode"] == mode and where(r)]
+                found.append(statistics.median(values) if values else None)
+            return found
+
+        for length in sorted({r["length"] for r in mine if r["part"] == "lengths"}):
+            at = lambda r, n=length: r["length"] == n  # noqa: E731
+            engine, vllm = cells("lengths", "ar", lambda r: r["ttft_s"], at)
+            out.append([label, f"time to first token, {length:,} tokens (s)", _n(engine, 2),
+                        _n(vllm, 2), _x(vllm / engine) if engine and vllm else "",
+                        source.where])
+            engine, vllm = cells("lengths", "ar", lambda r: r["decode_tok_s"], at)
+            out.append([label, f"decoding at {length:,} tokens of context (tok/s)", _n(engine),
+                        _n(vllm), _x(engine / vllm) if engine and vllm else "", source.where])
+        engine, vllm = cells("prefix", "ar", lambda r: r["warm_over_cold"])
+        if engine is not None:
+            out.append([label, "a repeated 4k prefix: warm / cold time to first token",
+                        f"{100 * engine:.1f} %", "" if vllm is None else f"{100 * vllm:.1f} %",
+                        "", source.where])
+        later = lambda r: r["turn"] > 0  # noqa: E731
+        engine, vllm = cells("turns", "ar", lambda r: r["ttft_s"], later)
+        if engine is not None:
+            out.append([label, "multi-turn chat: time to first token of turns 2+ (s)",
+                        _n(engine, 2), _n(vllm, 2), _x(vllm / engine) if vllm else "",
+                        source.where])
+        summary = {(r["system"], r["mode"], r.get("batch", 1)): r for r in mine
+                   if r["part"] == "code-summary"}
+        for batch in sorted({key[2] for key in summary}):
+            # Each of our modes beside vLLM's nearest: plain beside plain, our n-gram lookup
+            # beside its ngram, SSSD trees beside its ngram and its suffix trees.
+            for ours, theirs, name in (("ar", "ar", "plain"),
+                                       ("prompt_lookup", "ngram", "prompt lookup"),
+                                       ("sssd", "ngram", "SSSD (vLLM: ngram)"),
+                                       ("sssd", "suffix", "SSSD (vLLM: suffix)")):
+                engine = summary.get(("engine", ours, batch))
+                vllm = summary.get(("vllm", theirs, batch))
+                if engine is None or (theirs == "suffix" and vllm is None):
+                    continue
+                lead = _x(engine["median_tok_s"] / vllm["median_tok_s"]) if vllm else ""
+                out.append([label, f"code edits, b = {batch}, {name}: tok/s (x own plain)",
+                            _code_cell(engine), _code_cell(vllm), lead, source.where])
+        kv = [r["kv_bytes_per_token"] for r in mine if "kv_bytes_per_token" in r]
+        if kv:
+            out.append([label, "KV cache: bytes per token in use", f"{kv[0]:,}", "", "",
+                        source.where])
+        streams = [r for r in mine if r["part"] == "streams"]
+        if streams:
+            r = streams[0]
+            out.append([label, "64 concurrent streams: failed, most running, tok/s",
+                        f"{r['failed']}, {r['most_running']}, {r['tok_s']:.0f}", "", "",
+                        source.where])
+    return out
+
+
+LONG_CONTEXT_HEADER = ["model", "measure", "engine", "vLLM (CPU)", "engine's lead",
+                       "machine, results"]
+
+
 def headline_rows(current: dict[str, list[Source]]) -> list[list[str]]:
     """The README's table: output tokens/s of our server with speculation off and on beside
     vLLM's CPU build plain and with its drafters, one row per model and workload."""
@@ -267,6 +344,13 @@ CLAIMS = (
           "tokens/s / median TPOT ms per server (ours-inproc: `sssd up`, drafting in its "
           "decode worker; ours: through the drafter service; -off: speculation off).",
           HTTP_HEADER, http_rows),
+    Claim("long_context", "Long contexts and reuse",
+          "`bench/long_context.py`: bfloat16, prefix caching on in both, b = 1 where a row "
+          "names no b; medians. Time to first token of never-seen prompts by length, decoding "
+          "speed at that context, a 4k prefix asked twice, ShareGPT conversations replayed turn "
+          "by turn, whole-file code edits with speculation (the engine's measured budget "
+          "policy; vLLM's `ngram` with k = 8), 64 streams at once.",
+          LONG_CONTEXT_HEADER, long_context_rows),
     Claim("gpu", "On a GPU", "`bench/e2e.py --device cuda` on a lent GPU, as the CPU table.",
           SPECULATION_HEADER, speculation_rows),
 )
