@@ -39,9 +39,11 @@ class Source:
     file: str
     model: str = ""
     batches: tuple[int, ...] = ()  # only these batch sizes of the file (all when empty)
+    parts: tuple[str, ...] = ()  # only these parts of a long-context file (all when empty)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batches", tuple(self.batches))
+        object.__setattr__(self, "parts", tuple(self.parts))
 
     @property
     def path(self) -> Path:
@@ -211,7 +213,8 @@ def _code_cell(summary: dict | None) -> str:
 
 def long_context_rows(source: Source) -> list[list[str]]:
     """bench/long_context.py's lines: per measure, the engine beside vLLM's CPU build."""
-    rows = source.rows()
+    rows = [r for r in source.rows() if not source.parts
+            or r["part"].split("-")[0] in source.parts]  # code-batch, code-summary: code
     out = []
     for model in sorted({r["model"] for r in rows}):
         mine = [r for r in rows if r["model"] == model]
@@ -262,7 +265,8 @@ def long_context_rows(source: Source) -> list[list[str]]:
                 lead = _x(engine["median_tok_s"] / vllm["median_tok_s"]) if vllm else ""
                 out.append([label, f"code edits, b = {batch}, {name}: tok/s (x own plain)",
                             _code_cell(engine), _code_cell(vllm), lead, source.where])
-        kv = [r["kv_bytes_per_token"] for r in mine if "kv_bytes_per_token" in r]
+        kv = [r["kv_bytes_per_token"] for r in mine
+              if r["part"] == "lengths" and "kv_bytes_per_token" in r]
         if kv:
             out.append([label, "KV cache: bytes per token in use", f"{kv[0]:,}", "", "",
                         source.where])

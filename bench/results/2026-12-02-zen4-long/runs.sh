@@ -30,3 +30,9 @@ QDS=var/demo-datastore/sharegpt-12000-3f34145de91b  # what `sssd up` builds for 
   --systems engine --parts code --code-prompts 4 --code-batches 1 \
   --out $R/long-context-qwen-code.jsonl --png $R/long-context-qwen-code.png \
   2> $R/long-context-qwen-code.err
+# The code edits again, vLLM's suffix method beside its ngram (after
+# scripts/setup_vllm.sh --with-suffix).
+.venv/bin/python -m bench.long_context --model smollm2 --datastore $DS --parts code \
+  --code-prompts 8 --code-batches 1,4 --vllm-modes ar,ngram,suffix \
+  --out $R/long-context-smol-code.jsonl --png $R/long-context-smol-code.png \
+  2> $R/long-context-smol-code.err
