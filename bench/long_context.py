@@ -25,8 +25,8 @@ Parts (each system runs them in one process of its own, in this order):
   vLLM: --vllm-modes, `ngram` its prompt lookup with k = --ngram-k, `suffix` SuffixDecoding
   with at most --suffix-k); then in groups of
   each --code-batches size above 1, submitted together;
-- streams: 64 short prompts submitted at once, 32 tokens each (the engine only): requests that
-  failed, the most running at once, tokens per second.
+- streams: --streams (64) short prompts submitted at once, 32 tokens each (the engine only):
+  requests that failed, the most running at once, tokens per second.
 
 One JSON line per measurement; the engine's lines say whether each greedy answer equals plain
 decoding's (`same_as_ar`) and the KV cache's bytes per token.
@@ -120,8 +120,8 @@ def plan(args: argparse.Namespace, tokenizer, window: int) -> dict:
                    for _ in range(args.repeats)],
         "turns": conversations(args.conversations),
         "code": code_edit_prompts(tokenizer, args.code_prompts, low=args.code_min_tokens,
-                                  high=min(16384, window - args.code_tokens - 16)),
-        "streams": [noise(rng.randrange(32, 256)) for _ in range(64)],
+                                  high=min(args.code_max_tokens, window - args.code_tokens - 16)),
+        "streams": [noise(rng.randrange(32, 256)) for _ in range(args.streams)],
         "warmup": noise(256),
     }
 
@@ -431,8 +431,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--code-prompts", type=int, default=6)
     parser.add_argument("--code-tokens", type=int, default=256)
     parser.add_argument("--code-min-tokens", type=int, default=2048,
-                        help="the code-edit prompts' least length (their most: 16,384 or the "
-                        "window less the answer)")
+                        help="the code-edit prompts' least length")
+    parser.add_argument("--code-max-tokens", type=int, default=16384,
+                        help="the code-edit prompts' most length (at most the window less the "
+                        "answer)")
+    parser.add_argument("--streams", type=int, default=64,
+                        help="short prompts submitted at once in the streams part")
     parser.add_argument("--code-batches", default="1,4",
                         help="batch sizes of the code-edit set (its prompts in groups)")
     parser.add_argument("--conversations", type=int, default=3)

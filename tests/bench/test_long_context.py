@@ -16,7 +16,8 @@ def test_the_smallest_run_measures_every_part_and_checks_the_answers(tmp_path):
         "--systems", "engine", "--modes", "ar,prompt_lookup", "--lengths", "300",
         "--repeats", "1", "--decode-tokens", "4", "--prefix-tokens", "256",
         "--conversations", "1", "--turn-tokens", "4", "--code-prompts", "2",
-        "--code-min-tokens", "200", "--code-tokens", "8", "--code-batches", "1,2",
+        "--code-min-tokens", "200", "--code-max-tokens", "900", "--code-tokens", "8",
+        "--code-batches", "1,2", "--streams", "12", "--budget-policy", "rule",
         "--out", str(out), "--png", str(tmp_path / "long.png")])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     parts = {(r["mode"], r["part"]) for r in rows}
@@ -32,7 +33,8 @@ def test_the_smallest_run_measures_every_part_and_checks_the_answers(tmp_path):
     code = [r for r in rows if r["part"] in ("code", "code-batch")]
     assert all(r["same_as_ar"] for r in code) and len(code) == 2 * 3
     (streams,) = [r for r in rows if r["part"] == "streams"]
-    assert streams["failed"] == 0 and streams["requests"] == 64
+    assert streams["failed"] == 0 and streams["requests"] == 12
+    assert streams["most_running"] == 12  # all admitted at once
     assert all(r["kv_bytes_per_token"] > 0 for r in rows if r["part"] == "lengths")
     assert (tmp_path / "long.png").stat().st_size > 0
 
