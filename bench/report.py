@@ -208,7 +208,8 @@ HTTP_HEADER = ["model", "prompts", "c", *HTTP_SERVERS, "machine, results"]
 def _code_cell(summary: dict | None) -> str:
     if summary is None:
         return ""
-    return f"{summary['median_tok_s']:.1f} ({summary['median_speedup']:.2f}x)"
+    speedup = summary.get("median_speedup")
+    return f"{summary['median_tok_s']:.1f}" + ("" if speedup is None else f" ({speedup:.2f}x)")
 
 
 def long_context_rows(source: Source) -> list[list[str]]:

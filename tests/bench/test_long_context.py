@@ -31,7 +31,14 @@ def test_the_smallest_run_measures_every_part_and_checks_the_answers(tmp_path):
     turns = [r for r in rows if r["part"] == "turns"]
     assert [r["turn"] for r in turns] == list(range(len(turns))) and len(turns) >= 4
     code = [r for r in rows if r["part"] in ("code", "code-batch")]
-    assert all(r["same_as_ar"] for r in code) and len(code) == 2 * 3
+    assert len(code) == 2 * 3
+    looked_up = [r for r in code if r["mode"] == "prompt_lookup"]
+    assert [r["same_as_ar"] for r in looked_up] == [True] * 3  # 2 alone, 1 batch of 2
+    assert all("same_as_ar" not in r for r in code if r["mode"] == "ar")  # the reference
+    summaries = {(r["mode"], r["batch"]): r for r in rows if r["part"] == "code-summary"}
+    assert summaries[("prompt_lookup", 1)]["same_as_ar"] == "2 / 2"
+    assert summaries[("prompt_lookup", 2)]["same_as_ar"] == "1 / 1"
+    assert summaries[("ar", 1)]["median_speedup"] == 1.0
     (streams,) = [r for r in rows if r["part"] == "streams"]
     assert streams["failed"] == 0 and streams["requests"] == 12
     assert streams["most_running"] == 12  # all admitted at once
@@ -42,3 +49,13 @@ def test_the_smallest_run_measures_every_part_and_checks_the_answers(tmp_path):
 def test_speculation_by_sssd_needs_a_datastore():
     with pytest.raises(SystemExit, match="needs --datastore"):
         long_context.main(["--systems", "engine", "--modes", "ar,sssd"])
+
+
+def test_a_mode_without_plain_decoding_in_the_run_claims_no_speedup():
+    args = long_context.argparse.Namespace(model="smollm2", dtype="bfloat16", code_batches="1")
+    run = {"rows": [{"part": "code", "file": "f.py", "tok_s": 50.0, "output": [1, 2]}],
+           "facts": {}}
+    rows = long_context.summarize(args, {("engine", "sssd"): run})
+    (summary,) = [r for r in rows if r["part"] == "code-summary"]
+    assert "median_speedup" not in summary and "same_as_ar" not in summary
+    assert "speedup" not in rows[0] and "same_as_ar" not in rows[0]
