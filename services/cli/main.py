@@ -32,6 +32,7 @@ from sssd.common.config.flags import add_flags, from_args
 from sssd.common.config.logs import configure_logging
 from sssd.common.conversations.publisher import PublishConfig
 from sssd.common.conversations.redis_server import configured_password, use_password_file
+from sssd.common.rpc.api_key import KEY_ENV, add_api_key_flags, api_key_from_args
 from sssd.common.rpc.ports import GENERATE_PORT, busy_ports
 from sssd.common.rpc.tls import add_tls_flags, tls_from_args
 from sssd.verifier.engine.config import EngineConfig
@@ -57,6 +58,8 @@ def add_request_options(parser: argparse.ArgumentParser) -> None:
                         "has several sources); off: no drafts; sssd: drafts from the SSSD "
                         "drafter; ssd: from the speculator (servers started with --speculator)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline per call, seconds")
+    parser.add_argument("--api-key", default=None,
+                        help=f"the server's API key (default ${KEY_ENV})")
     parser.add_argument("--stats", action="store_true", help="print the totals afterwards")
 
 
@@ -81,7 +84,7 @@ def print_stream(client, prompt, args) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    with GenerationClient(args.target, timeout_s=args.timeout) as client:
+    with GenerationClient(args.target, timeout_s=args.timeout, api_key=args.api_key) as client:
         print_stream(client, args.prompt, args)
     return 0
 
@@ -89,7 +92,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("chat: an empty line or Ctrl-D ends it", file=sys.stderr)
-    with GenerationClient(args.target, timeout_s=args.timeout) as client:
+    with GenerationClient(args.target, timeout_s=args.timeout, api_key=args.api_key) as client:
         while True:
             try:
                 line = input("> ")
@@ -128,6 +131,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                       help="file holding the Redis password (default: "
                       "$SSSD_REDIS_PASSWORD_FILE, or $SSSD_REDIS_PASSWORD)")
     add_tls_flags(parser)
+    add_api_key_flags(parser)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -158,7 +162,8 @@ def serve_config(args: argparse.Namespace) -> FrontendConfig:
         publish = PublishConfig(args.redis_url, str(Path(args.spool_dir).absolute()), **stream,
                                 password=configured_password())
     return from_args(FrontendConfig, args, engine=from_args(EngineConfig, args),
-                     max_workers=args.max_requests + 16, ray=ray, publish=publish)
+                     max_workers=args.max_requests + 16, ray=ray, publish=publish,
+                     api_key=api_key_from_args(args))
 
 
 def cmd_up(args: argparse.Namespace) -> int:

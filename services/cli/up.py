@@ -67,6 +67,7 @@ from sssd.common.conversations.redis_server import (
 )
 from sssd.common.model.files import NotFetched
 from sssd.common.model.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
+from sssd.common.rpc.api_key import add_api_key_flags, api_key_from_args
 from sssd.common.rpc.ports import (
     DRAFTER_PORT,
     INDEXER_METRICS_PORT,
@@ -82,7 +83,7 @@ from sssd.datastore.manifest import read_manifest
 from sssd.indexer.indexer import IndexerConfig
 from sssd.speculator.client import RemoteSpeculator
 from sssd.verifier.engine.config import SERVING_PROFILE_PATH, EngineConfig
-from sssd.verifier.serving.config import FrontendConfig, RayConfig
+from sssd.verifier.serving.config import FrontendConfig, RayConfig, is_loopback
 from sssd.verifier.serving.frontend import Frontend
 from sssd.verifier.serving.placement import MIN_CPUS_TO_DISAGGREGATE, plan_workers
 
@@ -168,6 +169,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "$SSSD_REDIS_PASSWORD_FILE; for the embedded Redis, var/redis/password, "
                        "made with a random password on first use)")
     add_tls_flags(parser)
+    add_api_key_flags(parser)
     stack.add_argument("--indexer-port", type=int, default=INDEXER_PORT,
                        help=f"the indexer's gRPC health (default {INDEXER_PORT})")
     stack.add_argument("--indexer-metrics-port", type=int, default=INDEXER_METRICS_PORT,
@@ -237,9 +239,14 @@ def _plan(args: argparse.Namespace) -> _Plan:
         args.profile_path = str(Path(SERVING_PROFILE_PATH).parent / model_label(args.model) /
                                 Path(SERVING_PROFILE_PATH).name)
     # TLS and the Redis password reach every child and Ray worker through the environment.
-    tls_from_args(args)
+    tls = tls_from_args(args)
     ray_config = from_args(RayConfig, args, exclude=("address",), host=args.host,
                            token_file="var/ray/auth_token")
+    api_key = api_key_from_args(args)  # exported too: the check prompt's client presents it
+    if not is_loopback(args.host) and api_key is None and not (tls.serves_tls and tls.ca):
+        raise _Refused(f"--host {args.host} is reachable from other machines: set an API key "
+                       "(--api-key-file, $SSSD_API_KEY) or require TLS client certificates "
+                       "(--tls-cert, --tls-key and --tls-ca), or bind 127.0.0.1")
     args.drafter_in_process, drafter_reason = drafter_placement(
         args, ray_config, ray_config.num_cpus or os.cpu_count() or 1)
     speculator_target = f"{args.host}:{args.speculator_port}" if args.speculator else None
@@ -249,7 +256,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
                        else f"{args.host}:{args.drafter_port}",
                        speculator_target=speculator_target)
     frontend_values = dict(engine=engine, max_workers=args.max_requests + 16,
-                           ray=None if args.no_ray else ray_config)
+                           ray=None if args.no_ray else ray_config, api_key=api_key)
     from_args(FrontendConfig, args, include=FRONTEND_FLAGS, **frontend_values)  # validates
     problems = busy_ports(args.host, stack_ports(args))
     if problems:
@@ -299,7 +306,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
         loading="[3/5] loading the model into this process (--no-ray)" if args.no_ray else
         f"[3/5] starting Ray ({describe_workers(ray_config)}, auth {ray_config.auth}); loading "
         "the model in each",
-        describe=lambda frontend: serving_lines(args.host, frontend))
+        describe=lambda frontend: serving_lines(args.host, frontend, api_key is not None))
     components.append(api)
     return _Plan(components, api, engine, speculator_target)
 
@@ -380,7 +387,7 @@ def stack_ports(args: argparse.Namespace) -> dict[str, int]:
     return ports
 
 
-def serving_lines(host: str, frontend: Frontend) -> str:
+def serving_lines(host: str, frontend: Frontend, has_key: bool = False) -> str:
     endpoints = getattr(frontend.backend, "endpoints", None)  # None: no Ray (--no-ray)
     target = f"{host}:{frontend.port}"
     login = ""
@@ -398,19 +405,22 @@ def serving_lines(host: str, frontend: Frontend) -> str:
         lines.append("      the engine runs in this process (--no-ray)")
     lines.append(f"      try: .venv/bin/sssd generate --target {target} \"your prompt\"")
     if frontend.http is not None:
-        lines.append(http_examples(frontend.http_url, frontend.http.api.model_name))
+        lines.append(http_examples(frontend.http_url, frontend.http.api.model_name, has_key))
     return "\n".join(lines)
 
 
-def http_examples(url: str, model: str) -> str:
-    """A curl line and a five-line openai SDK example for the HTTP API."""
+def http_examples(url: str, model: str, has_key: bool = False) -> str:
+    """A curl line and a five-line openai SDK example for the HTTP API (presenting
+    $SSSD_API_KEY where the server has a key)."""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
                        "max_tokens": 64})
-    return (f"      or: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-            f"-d '{body}'\n"
+    auth = " -H \"Authorization: Bearer $SSSD_API_KEY\"" if has_key else ""
+    key = "os.environ[\"SSSD_API_KEY\"]" if has_key else "\"unused\""
+    return (f"      or: curl {url}/v1/chat/completions -H 'Content-Type: application/json'"
+            f"{auth} -d '{body}'\n"
             "      or, with the openai SDK:\n"
             "          from openai import OpenAI\n"
-            f"          client = OpenAI(base_url=\"{url}/v1\", api_key=\"unused\")\n"
+            f"          client = OpenAI(base_url=\"{url}/v1\", api_key={key})\n"
             "          reply = client.chat.completions.create(\n"
             f"              model=\"{model}\", messages=[{{\"role\": \"user\", "
             "\"content\": \"Hello!\"}])\n"

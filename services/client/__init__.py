@@ -14,6 +14,7 @@ never retried, so an answer is never duplicated.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from sssd.common.rpc import tls
+from sssd.common.rpc.api_key import KEY_ENV, call_metadata
 from sssd.common.rpc.totals import Totals
 from sssd.v1 import generate_pb2, generate_pb2_grpc
 
@@ -131,10 +133,13 @@ def retry_delay(err: grpc.RpcError, received: bool, delays: Iterator[float]) -> 
 
 class GenerationClient:
     def __init__(self, target: str, retry: RetryPolicy = RetryPolicy(),
-                 timeout_s: float | None = None, tls_files: tls.TlsFiles | None = None) -> None:
+                 timeout_s: float | None = None, tls_files: tls.TlsFiles | None = None,
+                 api_key: str | None = None) -> None:
         """`timeout_s`: deadline of each call (None: none). `tls_files`: TLS to the server
-        (default: the SSSD_TLS_* variables, see sssd.common.rpc.tls; none set: plaintext)."""
+        (default: the SSSD_TLS_* variables, see sssd.common.rpc.tls; none set: plaintext).
+        `api_key`: presented on every call (default: $SSSD_API_KEY; unset: none)."""
         self.target, self.retry, self.timeout_s = target, retry, timeout_s
+        self._metadata = call_metadata(api_key or os.environ.get(KEY_ENV))
         self._channel = tls.channel(target, tls_files)
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
 
@@ -143,7 +148,8 @@ class GenerationClient:
         request = build_request(prompt, **options)
         delays = self.retry.delays()
         while True:
-            call = self._stub.Generate(request, timeout=self.timeout_s)
+            call = self._stub.Generate(request, timeout=self.timeout_s,
+                                       metadata=self._metadata)
             received = False
             try:
                 for message in call:
@@ -177,8 +183,10 @@ class GenerationClient:
 
 class AsyncGenerationClient:
     def __init__(self, target: str, retry: RetryPolicy = RetryPolicy(),
-                 timeout_s: float | None = None, tls_files: tls.TlsFiles | None = None) -> None:
+                 timeout_s: float | None = None, tls_files: tls.TlsFiles | None = None,
+                 api_key: str | None = None) -> None:
         self.target, self.retry, self.timeout_s = target, retry, timeout_s
+        self._metadata = call_metadata(api_key or os.environ.get(KEY_ENV))
         self._channel = tls.aio_channel(target, tls_files)
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
 
@@ -186,7 +194,8 @@ class AsyncGenerationClient:
         request = build_request(prompt, **options)
         delays = self.retry.delays()
         while True:
-            call = self._stub.Generate(request, timeout=self.timeout_s)
+            call = self._stub.Generate(request, timeout=self.timeout_s,
+                                       metadata=self._metadata)
             received = False
             try:
                 async for message in call:

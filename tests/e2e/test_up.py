@@ -82,6 +82,17 @@ def test_sssd_up_refuses_auth_disabled_off_loopback(tmp_path):
     assert "loopback" in done.stderr
 
 
+def test_sssd_up_refuses_a_public_host_without_an_api_key(tmp_path, monkeypatch):
+    monkeypatch.delenv("SSSD_API_KEY", raising=False)
+    monkeypatch.delenv("SSSD_API_KEY_FILE", raising=False)
+    sssd = Path(sys.executable).with_name("sssd")
+    done = subprocess.run([str(sssd), "up", "--once", "--host", "0.0.0.0"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "--host 0.0.0.0 is reachable from other machines: set an API key" in done.stderr
+    assert not (tmp_path / "var").exists()  # refused before anything started
+
+
 def test_sssd_up_names_a_taken_port_before_starting_anything(tmp_path, free_port):
     sssd = Path(sys.executable).with_name("sssd")
     with socket.socket() as other:  # another process's server on the metrics port

@@ -109,6 +109,12 @@ class FrontendConfig:
         "beside one token of prompt")
     default_max_tokens: int = option(256, "max_tokens of a request that leaves it 0")
     grace_s: float = option(10.0, "on SIGTERM running requests get this long to finish")
+    # A secret, so no flag of its own here: --api-key / --api-key-file / SSSD_API_KEY
+    # (common/rpc/api_key.py). None: both APIs are open.
+    api_key: str | None = None
+    open_health: bool = option(
+        True, "with an API key, HTTP /health and /metrics still answer without it (probes, "
+        "Prometheus); --no-open-health: they need the key too")
     max_workers: int = 80  # gRPC handler threads (> max_requests, so refusals are answered)
     ray: RayConfig | None = None  # None: single process; else prefill/decode Ray workers
     # Completed conversations to the Redis stream of the live datastore (None: not published).

@@ -30,6 +30,7 @@ from sssd.common.model.loader import load_causal_lm
 from sssd.common.model.threads import off_main_thread
 from sssd.common.model.tokenizer import load_tokenizer
 from sssd.common.rpc import tls
+from sssd.common.rpc.api_key import ApiKey, ApiKeyInterceptor
 from sssd.common.rpc.targets import address
 from sssd.v1 import generate_pb2, generate_pb2_grpc
 from sssd.verifier.engine.request import GenerateRequest, InvalidRequest, SamplingParams
@@ -254,11 +255,15 @@ def start_frontend(config: FrontendConfig) -> Frontend:
     http = None
     if config.http:
         api = OpenAIApi(metrics.model_name, config.max_tokens_limit, config.default_max_tokens,
-                        config.max_workers, metrics)
+                        config.max_workers, metrics, config.api_key, config.open_health)
         http = HttpServer(api, config.host, config.http_port, tls.resolve(None)).start()
     servicer = GenerationServicer(config, metrics)
+    # Health checking and reflection stay open without the key (probes cannot send it).
+    interceptors = [ApiKeyInterceptor(ApiKey(config.api_key), (SERVICE_NAME,))] \
+        if config.api_key else []
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers,
-                                                    thread_name_prefix="generate-rpc"))
+                                                    thread_name_prefix="generate-rpc"),
+                         interceptors=interceptors)
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -13,10 +13,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from sssd.common.rpc.api_key import ApiKey
 from sssd.verifier.engine.request import InvalidRequest
 from sssd.verifier.serving.api_metrics import CONTENT_TYPE, ApiMetrics, RequestTracker
 from sssd.verifier.serving.backend import Backend, RequestHandle, StreamEvent
@@ -41,8 +43,13 @@ class OpenAIApi:
 
     def __init__(self, model_name: str, max_tokens_limit: int | None,
                  default_max_tokens: int, max_workers: int,
-                 metrics: ApiMetrics | None = None) -> None:
+                 metrics: ApiMetrics | None = None, api_key: str | None = None,
+                 open_health: bool = True) -> None:
+        """`api_key`: required as a bearer token on /v1/* and the tokenize endpoints (and on
+        /health and /metrics unless `open_health`); None: every endpoint is open."""
         self.model_name = model_name
+        self.api_key = ApiKey(api_key) if api_key else None
+        self.open_paths = ("/health", "/metrics") if open_health else ()
         self.max_model_len = 0  # the backend's context window, once attached
         self.max_tokens_limit = max_tokens_limit  # None: what the window holds
         self.default_max_tokens = default_max_tokens
@@ -54,7 +61,7 @@ class OpenAIApi:
         # Blocking reads of the backend's event queues, one per live request at a time.
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers,
                                                            thread_name_prefix="http-events")
-        self.app = Starlette(routes=[
+        self.app = Starlette(middleware=[Middleware(_KeyCheck, api=self)], routes=[
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
@@ -254,6 +261,32 @@ class OpenAIApi:
     async def _internal(self, request: Request, exc: Exception) -> Response:
         logger.exception("HTTP %s %s failed", request.method, request.url.path)
         return ApiError(500, f"internal error: {type(exc).__name__}").response()
+
+
+class _KeyCheck:
+    """ASGI middleware: a request without the API key gets OpenAI's 401 before any handler
+    (or body read) runs. Unknown paths are checked too, so routes do not leak without it."""
+
+    def __init__(self, app, api: OpenAIApi) -> None:
+        self.app, self.api = app, api
+
+    async def __call__(self, scope, receive, send) -> None:
+        key = self.api.api_key
+        if scope["type"] != "http" or key is None or scope["path"] in self.api.open_paths:
+            return await self.app(scope, receive, send)
+        authorization = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+                break
+        if key.matches(authorization):
+            return await self.app(scope, receive, send)
+        self.api.metrics.refused_request("unauthenticated")
+        response = ApiError(401, "Incorrect API key provided: send it as `Authorization: "
+                            "Bearer <key>` (the server's --api-key)",
+                            code="invalid_api_key").response()
+        response.headers["WWW-Authenticate"] = "Bearer"
+        await response(scope, receive, send)
 
 
 def _next_event(events: queue.Queue) -> StreamEvent | None:

@@ -30,8 +30,9 @@ STATUS_OF_KIND = {
     ErrorKind.STOPPED: 503,
     ErrorKind.INTERNAL: 500,
 }
-ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
-               413: "invalid_request_error", 405: "invalid_request_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+               404: "invalid_request_error", 413: "invalid_request_error",
+               405: "invalid_request_error",
                429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
 # Fields OpenAI defines that this engine cannot honour: accepted only at their neutral values.
