@@ -25,7 +25,8 @@ pytest_plugins = ("support.model", "support.processes", "support.pki", "support.
 # Fixtures that load the model (weights or tokenizer); a test using any of them is marked
 # `model` automatically. Tests that load it another way (a subprocess) carry the mark.
 MODEL_FIXTURES = {"tokenizer", "target_model_fp32", "target_model_bf16", "mt_bench_prompts",
-                  "greedy_references", "warm_datastore", "engine_factory", "make_speculator"}
+                  "greedy_references", "warm_datastore", "engine_factory", "make_speculator",
+                  "qwen_coder_05b"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -46,6 +46,9 @@ class Chunk:
     draft_ms: float | None
     verify_ms: float | None
     totals: Totals | None  # only on the last chunk
+    # [len(token_ids)] (token id, logprob, ((top id, top logprob), ...)) with top_logprobs set
+    logprobs: list[tuple[int, float, tuple[tuple[int, float], ...]]] = field(
+        default_factory=list)
 
 
 @dataclass
@@ -53,10 +56,13 @@ class Result:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     totals: Totals | None = None
+    logprobs: list[tuple[int, float, tuple[tuple[int, float], ...]]] = field(
+        default_factory=list)
 
     def add(self, chunk: Chunk) -> None:
         self.text += chunk.text
         self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs
         self.totals = chunk.totals or self.totals
 
 
@@ -75,9 +81,15 @@ class RetryPolicy:
 
 def build_request(prompt: Prompt, max_tokens: int = 0, temperature: float = 0.0,
                   top_p: float | None = None, top_k: int = 0, seed: int | None = None,
-                  stop: Sequence[str] = (), speculation: str = "auto"
+                  stop: Sequence[str] = (), speculation: str = "auto",
+                  top_logprobs: int | None = None, presence_penalty: float = 0.0,
+                  frequency_penalty: float = 0.0, repetition_penalty: float | None = None,
+                  logit_bias: dict[int, float] | None = None, min_p: float = 0.0,
+                  stop_token_ids: Sequence[int] = (), min_tokens: int = 0
                   ) -> generate_pb2.GenerateRequest:
-    """A text prompt, chat messages ({"role", "content"} dicts) or token ids.
+    """A text prompt, chat messages ({"role", "content"} dicts) or token ids. The fields are
+    the proto's (proto/sssd/v1/generate.proto); `top_logprobs` set asks for each token's
+    log-probability and that many alternatives.
 
     Raises ValueError naming the field for what the message cannot carry (a negative count, a
     seed beyond 64 bits); the server checks every range it serves and answers INVALID_ARGUMENT.
@@ -90,9 +102,18 @@ def build_request(prompt: Prompt, max_tokens: int = 0, temperature: float = 0.0,
                                        ("seed", seed, 64, "unset: a random seed")):
         if value is not None and not 0 <= value < 2 ** bits:
             raise ValueError(f"{name}: {value} is outside [0, {2 ** bits - 1}] ({meaning})")
+    for name, value in (("top_logprobs", top_logprobs), ("min_tokens", min_tokens)):
+        if value is not None and not 0 <= value < 2 ** 32:
+            raise ValueError(f"{name}: {value} is outside [0, {2 ** 32 - 1}]")
     request = generate_pb2.GenerateRequest(
         max_tokens=max_tokens, temperature=temperature, top_k=top_k, stop=list(stop),
-        speculation=SPECULATION[speculation])
+        speculation=SPECULATION[speculation], presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, min_p=min_p, stop_token_ids=list(stop_token_ids),
+        min_tokens=min_tokens, logit_bias=dict(logit_bias or {}))
+    if top_logprobs is not None:
+        request.top_logprobs = top_logprobs
+    if repetition_penalty is not None:
+        request.repetition_penalty = repetition_penalty
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt and all(isinstance(item, dict) for item in prompt):
@@ -118,9 +139,12 @@ def to_chunk(message: generate_pb2.GenerateResponse) -> Chunk:
         totals = Totals(t.prompt_tokens, t.completion_tokens, t.time_to_first_token_s,
                         t.total_s, t.tokens_per_second, t.mean_accepted_length, t.finish_reason,
                         t.cached_tokens)
+    logprobs = [(e.token_id, e.logprob, tuple(zip(e.top_token_ids, e.top_logprobs)))
+                for e in message.logprobs]
     return Chunk(message.text, list(message.token_ids),
                  step.accepted_tokens if step else None, step.budget if step else None,
-                 step.draft_ms if step else None, step.verify_ms if step else None, totals)
+                 step.draft_ms if step else None, step.verify_ms if step else None, totals,
+                 logprobs)
 
 
 def retry_delay(err: grpc.RpcError, received: bool, delays: Iterator[float]) -> float | None:

@@ -147,6 +147,26 @@ Global___TokenPrompt: _TypeAlias = TokenPrompt  # noqa: Y015
 class GenerateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LogitBiasEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     TEXT_FIELD_NUMBER: _builtins.int
     CHAT_FIELD_NUMBER: _builtins.int
     TOKENS_FIELD_NUMBER: _builtins.int
@@ -157,6 +177,14 @@ class GenerateRequest(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     SPECULATION_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """One user message; the chat template is applied."""
     max_tokens: _builtins.int
@@ -170,6 +198,25 @@ class GenerateRequest(_message.Message):
     seed: _builtins.int
     """Seeds the request's sampler: the same seed, prompt and settings give the same answer."""
     speculation: Global___SpeculationMode.ValueType
+    top_logprobs: _builtins.int
+    """Log-probabilities: set to report each emitted token's (in GenerateResponse.logprobs) with
+    this many most likely alternatives, in [0, 20]; unset: none. The model's own (before any
+    penalty or temperature), the same with and without speculation.
+    """
+    presence_penalty: _builtins.float
+    """Logit adjustments, applied at every draft-tree node from the tokens on its path (so
+    speculation stays lossless). OpenAI's meanings: minus presence_penalty for each token the
+    answer used, minus frequency_penalty times its count there; both in [-2, 2], 0 = off.
+    """
+    frequency_penalty: _builtins.float
+    repetition_penalty: _builtins.float
+    """> 0; a token of the prompt or answer has its logit divided by it (positive logits) or
+    multiplied by it (negative ones); unset = 1 (off).
+    """
+    min_p: _builtins.float
+    """Drops tokens whose probability is below min_p times the most likely one's; 0 = off."""
+    min_tokens: _builtins.int
+    """EOS and stop_token_ids cannot end the answer before it holds this many tokens."""
     @_builtins.property
     def chat(self) -> Global___ChatPrompt: ...
     @_builtins.property
@@ -179,6 +226,14 @@ class GenerateRequest(_message.Message):
         """The answer ends before the first occurrence of any of these strings (at most 8, each at
         most 256 characters).
         """
+
+    @_builtins.property
+    def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
+        """Added to the logit of the token id, each bias in [-100, 100]."""
+
+    @_builtins.property
+    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """These token ids end the answer as EOS does (finish_reason "stop")."""
 
     def __init__(
         self,
@@ -193,25 +248,75 @@ class GenerateRequest(_message.Message):
         seed: _builtins.int | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
         speculation: Global___SpeculationMode.ValueType = ...,
+        top_logprobs: _builtins.int | None = ...,
+        presence_penalty: _builtins.float = ...,
+        frequency_penalty: _builtins.float = ...,
+        repetition_penalty: _builtins.float | None = ...,
+        logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
+        min_p: _builtins.float = ...,
+        stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        min_tokens: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_top_p", b"_top_p", "chat", b"chat", "prompt", b"prompt", "seed", b"seed", "text", b"text", "tokens", b"tokens", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "chat", b"chat", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "text", b"text", "tokens", b"tokens", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_top_p", b"_top_p", "chat", b"chat", "max_tokens", b"max_tokens", "prompt", b"prompt", "seed", b"seed", "speculation", b"speculation", "stop", b"stop", "temperature", b"temperature", "text", b"text", "tokens", b"tokens", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "chat", b"chat", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "speculation", b"speculation", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "text", b"text", "tokens", b"tokens", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
+    _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__top_logprobs: _TypeAlias = _typing.Literal["top_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__top_logprobs: _TypeAlias = _typing.Literal["_top_logprobs", b"_top_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
     _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "chat", "tokens"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_logprobs) -> _WhichOneofReturnType__top_logprobs | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_prompt) -> _WhichOneofReturnType_prompt | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class TokenLogprob(_message.Message):
+    """An emitted token's log-probability (natural log) and the most likely tokens at its place."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    logprob: _builtins.float
+    @_builtins.property
+    def top_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Most likely first; as many as the request's top_logprobs."""
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        logprob: _builtins.float = ...,
+        top_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
 
 @_typing.final
 class StepStats(_message.Message):
@@ -302,6 +407,7 @@ class GenerateResponse(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     TOTALS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """New text since the previous message (may be empty while a multi-byte character or a
     possible stop string is incomplete). Concatenated, the deltas are the answer.
@@ -318,6 +424,10 @@ class GenerateResponse(_message.Message):
     def totals(self) -> Global___GenerateTotals:
         """Only in the last message of the stream."""
 
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """One per token id above, when the request set top_logprobs."""
+
     def __init__(
         self,
         *,
@@ -325,10 +435,11 @@ class GenerateResponse(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         step: Global___StepStats | None = ...,
         totals: Global___GenerateTotals | None = ...,
+        logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["step", b"step", "totals", b"totals"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["step", b"step", "text", b"text", "token_ids", b"token_ids", "totals", b"totals"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "step", b"step", "text", b"text", "token_ids", b"token_ids", "totals", b"totals"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

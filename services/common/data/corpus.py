@@ -168,14 +168,16 @@ def sharegpt_messages(record: dict[str, Any]) -> list[dict[str, str]]:
 
 def conversation_token_ids(tokenizer: PreTrainedTokenizerBase,
                            conversation: dict[str, Any] | Sequence[dict[str, str]],
-                           add_generation_prompt: bool = False) -> list[int]:
+                           add_generation_prompt: bool = False,
+                           tools: Sequence[dict] | None = None) -> list[int]:
     """Token ids of a conversation with the model's chat template applied, as the model sees
     them (system prompt and turn markers included).
 
     `conversation` is a ShareGPT record or a list of `{"role", "content"}` messages. With
-    `add_generation_prompt` the ids end with the assistant header, as a prompt does.
+    `add_generation_prompt` the ids end with the assistant header, as a prompt does. `tools`:
+    OpenAI function tools, rendered by the template (those that have a tool section).
     """
-    text = _chat_text(tokenizer, conversation, add_generation_prompt)
+    text = _chat_text(tokenizer, conversation, add_generation_prompt, tools)
     # The template already wrote every special token; encode must not add a BOS of its own.
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
@@ -198,13 +200,14 @@ def iter_conversation_token_ids(tokenizer: PreTrainedTokenizerBase,
 
 def _chat_text(tokenizer: PreTrainedTokenizerBase,
                conversation: dict[str, Any] | Sequence[dict[str, str]],
-               add_generation_prompt: bool) -> str:
+               add_generation_prompt: bool, tools: Sequence[dict] | None = None) -> str:
     messages = sharegpt_messages(conversation) if isinstance(conversation, dict) \
         else list(conversation)
     if not messages:
         return ""
+    extra = {"tools": list(tools)} if tools else {}
     return tokenizer.apply_chat_template(messages, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt, **extra)
 
 
 def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:

@@ -36,6 +36,11 @@ from sssd.verifier.engine.budget_policy import BudgetPolicy
 from sssd.verifier.engine.detokenizer import Decode, IncrementalDetokenizer, find_stop
 from sssd.verifier.engine.drafting import Drafting, Drafts
 from sssd.verifier.engine.handoff import PrefilledPrompt
+from sssd.verifier.engine.logits_processing import (
+    needs_processing,
+    process_tree_logits,
+    token_logprobs,
+)
 from sssd.verifier.engine.model_runner import CacheRow, Chunk, ModelRunner
 from sssd.verifier.engine.output import EngineStats, RowOutput, StepOutput
 from sssd.verifier.engine.request import (
@@ -47,6 +52,7 @@ from sssd.verifier.engine.request import (
 from sssd.verifier.engine.sampling import position_uniforms, sample_with_uniforms, target_probs
 from sssd.verifier.engine.scheduler import ChunkPlan, Scheduler
 from sssd.verifier.engine.sequence import Sequence
+from sssd.verifier.engine.token_logprob import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -194,8 +200,8 @@ class Engine:
             output = StepOutput(list(rows.values()), finished, prefill_s=prefill_s)
             self.stats.add(output)
             return output
-        results = self._accept(verifying, drafts.trees, logits)
-        self._emit_verified(verifying, drafts, results, rows)
+        results, logprobs = self._accept(verifying, drafts.trees, logits)
+        self._emit_verified(verifying, drafts, results, logprobs, rows)
         # The policy prices a budget by the step's speculation work: a pass that also ran a
         # prompt says nothing about it.
         self._learn(keys, drafts, results, None if plans else step_start)
@@ -252,11 +258,17 @@ class Engine:
     def _first_token(self, seq: Sequence, logits: torch.Tensor,
                      rows: dict[str, RowOutput]) -> None:
         """Samples an admitted sequence's first token from its prompt's logits [vocab_size]."""
-        token_ids = self._append(seq, [self._sample_one(seq, logits)])
+        token = self._sample_one(seq, logits)
+        token_ids = self._append(seq, [token])
+        num_top = seq.request.sampling.logprobs
+        logprobs = None if num_top is None else token_logprobs(logits.unsqueeze(0), [token],
+                                                               num_top)
         rows[seq.request_id] = RowOutput(seq.request_id, token_ids, seq.text, 0, 1,
-                                         is_verified=False)
+                                         is_verified=False, logprobs=logprobs)
 
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
+        """The token after the context, from its logits [vocab_size]: a one-node tree."""
+        logits = self._processed(seq, logits.unsqueeze(0), [-1], [seq.last_token])[0]
         if seq.request.sampling.is_greedy:
             return int(argmax_last(logits))
         probs = target_probs(logits.unsqueeze(0), seq.request.sampling)  # [1, vocab_size]
@@ -271,40 +283,68 @@ class Engine:
         return self.budget_policy.draft_budget(batch_size, budget)
 
     def _accept(self, running: list[Sequence], trees: list[DraftTree],
-                logits: torch.Tensor) -> list[AcceptResult]:
+                logits: torch.Tensor) -> tuple[list[AcceptResult], dict[int, list[TokenLogprob]]]:
         """Per row, the accepted path and bonus token; the KV cache keeps only accepted nodes.
+        Also the log-probabilities of each emitted token, by row, for rows that asked.
 
         The token the target chooses after every node (greedy rows: the argmax; sampled rows:
         the draw at the node's output position, acceptance.accept_at_positions) is decided on
         the logits' device for the whole batch, and comes to the host in one transfer: the
-        step's only read-back, whatever the number of rows and nodes."""
+        step's only read-back, whatever the number of rows and nodes (rows with penalties or
+        log-probabilities add their own)."""
         num_seqs, max_nodes = logits.shape[:2]
         chosen = argmax_last(logits) if any(seq.request.sampling.is_greedy for seq in running) \
             else torch.zeros((num_seqs, max_nodes), dtype=torch.int64, device=logits.device)
         for row, (seq, tree) in enumerate(zip(running, trees)):  # [num_seqs, max_nodes]
+            row_logits = logits[row, : tree.num_nodes]  # [num_nodes, vocab_size]
+            node_logits = self._processed(seq, row_logits, tree.parents, tree.token_ids)
             if not seq.request.sampling.is_greedy:
-                probs = target_probs(logits[row, : tree.num_nodes], seq.request.sampling)
+                probs = target_probs(node_logits, seq.request.sampling)
                 chosen[row, : tree.num_nodes] = draws_at_positions(
                     tree.parents, probs, seq.seed, first_position=len(seq.output_ids))
+            elif node_logits is not row_logits:
+                chosen[row, : tree.num_nodes] = node_logits.argmax(dim=-1)
         chosen_ids = chosen.tolist()
         results = [accept_greedy(tree.token_ids, tree.parents, chosen_ids[row][: tree.num_nodes])
                    for row, tree in enumerate(trees)]
+        logprobs = {}
+        for row, (seq, result) in enumerate(zip(running, results)):
+            num_top = seq.request.sampling.logprobs
+            if num_top is not None:  # the node before each emitted token: root, then the path
+                nodes = torch.tensor([0] + result.accepted_nodes, device=logits.device)
+                logprobs[row] = token_logprobs(logits[row].index_select(0, nodes),
+                                               result.emitted_tokens, num_top)
         self.runner.commit([_row(seq) for seq in running], [r.accepted_nodes for r in results])
         for seq, result in zip(running, results):  # the root and the accepted path are final
             seq.table.num_cached += 1 + result.num_accepted
             self._register(seq)
-        return results
+        return results, logprobs
+
+    def _processed(self, seq: Sequence, logits: torch.Tensor, parents: Seq[int],
+                   token_ids: Seq[int]) -> torch.Tensor:
+        """A tree's logits [num_nodes, vocab_size] as `seq` samples from them: `logits` itself
+        when its request adjusts nothing, else an adjusted float copy (logits_processing.py)."""
+        if not needs_processing(seq.request, len(seq.output_ids)):
+            return logits
+        adjusted = logits.float().clone()  # [num_nodes, vocab_size]
+        process_tree_logits(adjusted, seq.request, seq.output_ids, parents, token_ids,
+                            self.eos_token_ids)
+        return adjusted
 
     def _emit_verified(self, running: list[Sequence], drafts: Drafts,
-                       results: list[AcceptResult], rows: dict[str, RowOutput]) -> None:
+                       results: list[AcceptResult], logprobs: dict[int, list[TokenLogprob]],
+                       rows: dict[str, RowOutput]) -> None:
         """Appends each row's accepted tokens and bonus token; one RowOutput per row."""
-        for seq, result, row_budget, tree in zip(running, results, drafts.budgets, drafts.trees):
+        for row, (seq, result, row_budget, tree) in enumerate(
+                zip(running, results, drafts.budgets, drafts.trees)):
             seq.num_steps += 1
             seq.num_accepted += result.num_accepted
             token_ids = self._append(seq, result.emitted_tokens)
-            rows[seq.request_id] = RowOutput(seq.request_id, token_ids, seq.text,
-                                             result.num_accepted, row_budget, is_verified=True,
-                                             num_drafted=tree.num_nodes - 1)
+            row_logprobs = logprobs.get(row)
+            rows[seq.request_id] = RowOutput(
+                seq.request_id, token_ids, seq.text, result.num_accepted, row_budget,
+                is_verified=True, num_drafted=tree.num_nodes - 1,
+                logprobs=None if row_logprobs is None else row_logprobs[: len(token_ids)])
 
     def _learn(self, keys: list[str], drafts: Drafts, results: list[AcceptResult],
                step_start: float | None) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sssd.verifier.engine.sequence import Sequence
+from sssd.verifier.engine.token_logprob import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class RowOutput:
     budget: int  # this row's speculation budget in the step (1: no drafts)
     is_verified: bool  # took part in the verification forward (False: its prefill token only)
     num_drafted: int = 0  # draft tokens the row's tree held (its nodes but the root)
+    # [len(token_ids)] with the request's `logprobs` set, else None.
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS, MAX_STOP_LEN = 8, 256
+MAX_STOP_TOKEN_IDS, MAX_LOGIT_BIAS = 64, 300
+MAX_TOP_LOGPROBS = 20
 # Drafting sources a request may name (the API's speculation modes sssd and ssd); a server
 # offers those its engine mode has (RequestLimits.sources).
 SOURCES = ("sssd", "ssd")
@@ -36,8 +38,41 @@ class SamplingParams:
     # The same seed, prompt and settings give the same answer, with or without speculation;
     # None: a random seed per request.
     seed: int | None = None
+    # Adjustments of the logits (logits_processing.py), applied before temperature at every
+    # node of a draft tree from the tokens on that node's path, so speculation stays lossless.
+    # OpenAI's and vLLM's meanings: presence and frequency penalties count the answer's tokens,
+    # the repetition penalty (HF / CTRL) the prompt's and the answer's.
+    presence_penalty: float = 0.0  # [-2, 2]: minus this for every token the answer has used
+    frequency_penalty: float = 0.0  # [-2, 2]: minus this times the times the answer used it
+    repetition_penalty: float = 1.0  # > 0: seen tokens' logits divided by it (> 0) or times it
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added
+    min_p: float = 0.0  # [0, 1]: drops tokens below min_p times the most likely one's mass
+    # Log-probabilities to report (not a sampling setting): None = none; k >= 0 = each emitted
+    # token's and the k most likely alternatives', from the model's raw logits.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "logit_bias", tuple(
+            (int(token), float(bias)) for token, bias in self.logit_bias))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, numbers.Real) and -2 <= value <= 2):
+                raise InvalidRequest(f"{name}: must be a number in [-2, 2], got {value!r}")
+        if not (isinstance(self.repetition_penalty, numbers.Real)
+                and math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise InvalidRequest(f"repetition_penalty: must be a number > 0 (1 = off), got "
+                                 f"{self.repetition_penalty!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or any(
+                token < 0 or not -100 <= bias <= 100 for token, bias in self.logit_bias):
+            raise InvalidRequest(f"logit_bias: at most {MAX_LOGIT_BIAS} token ids >= 0 with "
+                                 "biases in [-100, 100]")
+        if not (isinstance(self.min_p, numbers.Real) and 0 <= self.min_p <= 1):
+            raise InvalidRequest(f"min_p: must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if self.logprobs is not None and (
+                isinstance(self.logprobs, bool) or not isinstance(self.logprobs, numbers.Integral)
+                or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequest(f"top_logprobs: must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                 f"got {self.logprobs!r}")
         if not (isinstance(self.temperature, numbers.Real) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
             raise InvalidRequest(f"temperature: must be a finite number >= 0 (0 = greedy), "
@@ -57,6 +92,12 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the logits depend on the tokens before them (or are biased)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1)
+
 
 @dataclass(frozen=True)
 class GenerateRequest:
@@ -71,6 +112,11 @@ class GenerateRequest:
     # by measured cost where it has several.
     source: str = ""
     ignore_eos: bool = False  # EOS does not end the answer (benchmarks' fixed output lengths)
+    # These tokens end the answer as EOS does ("stop"); they stay in its token ids (and in its
+    # text unless special), as vLLM's stop_token_ids.
+    stop_token_ids: tuple[int, ...] = ()
+    # Until the answer holds this many tokens, EOS and stop_token_ids cannot be drawn.
+    min_tokens: int = 0
     # Failover (serving/ray_backend.py): the answer's tokens a worker that died already
     # streamed. The engine takes them as its output so far (prefilled with the prompt; they
     # count towards max_tokens; sampling positions, the text and the published conversation
@@ -84,6 +130,15 @@ class GenerateRequest:
         object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "resume_ids", tuple(self.resume_ids))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(
+                isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0
+                for t in self.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids >= 0")
+        if (isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, numbers.Integral)
+                or not 0 <= self.min_tokens <= self.max_tokens):
+            raise InvalidRequest(f"min_tokens: must be an integer in [0, max_tokens="
+                                 f"{self.max_tokens}], got {self.min_tokens!r}")
         if not self.prompt_ids:
             raise InvalidRequest("prompt: must hold at least one token")
         if any(isinstance(t, bool) or not isinstance(t, numbers.Integral)
@@ -153,6 +208,12 @@ class RequestLimits:
                 raise InvalidRequest(f"resume: prompt and answer hold "
                                      f"{len(request.context_ids)} tokens, the context window "
                                      f"allows at most {self.max_prompt_tokens}")
+        for name, ids in (("stop_token_ids", request.stop_token_ids),
+                          ("logit_bias", [t for t, _ in request.sampling.logit_bias])):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest(f"{name}: token id {bad} is outside the vocabulary "
+                                     f"[0, {self.vocab_size})")
         if request.speculate and request.source and request.source not in self.sources:
             offered = ", ".join(self.sources) or "none: it decodes without speculation"
             raise InvalidRequest(f"speculation: this server has no {request.source!r} drafting "
@@ -166,7 +227,8 @@ def end_reason(token_id: int, num_output_tokens: int, request: GenerateRequest,
     token ids tell (the engine and the Ray backend's failover both judge by it): EOS ends it as
     "stop" (unless the request ignores EOS), reaching max_tokens as "length", else None. Stop
     strings (on the text) and the end of the context window are the engine's own checks."""
-    if token_id in eos_token_ids and not request.ignore_eos:
+    if (token_id in eos_token_ids and not request.ignore_eos) or \
+            token_id in request.stop_token_ids:
         return "stop"
     if num_output_tokens >= request.max_tokens:
         return "length"

@@ -32,7 +32,8 @@ _NUCLEUS_HEAD_GROWTH = 16
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities [num_nodes, vocab_size] float32 from logits [num_nodes, vocab_size].
 
-    Applied in the order of Hugging Face's `generate`: temperature, top-k, top-p.
+    Applied in the order of Hugging Face's `generate`: temperature, top-k, top-p, min-p (the
+    logits come already adjusted by logits_processing.py).
     - Greedy (temperature 0): a one-hot row on the argmax (the first index among equal maxima,
       as `torch.argmax`), whatever top-k and top-p say.
     - Top-k keeps every token whose logit is >= the k-th largest: tokens tied with the k-th are
@@ -57,6 +58,12 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     probs = torch.softmax(scaled, dim=-1)  # [num_nodes, vocab_size]
     if params.top_p < 1:
         probs = _top_p(probs, params.top_p, params.top_k)
+    if params.min_p > 0:
+        # min-p (Nguyen et al., 2024): a floor relative to the most likely token, so the cut
+        # follows the model's confidence; the most likely token always survives.
+        floor = params.min_p * probs.max(dim=-1, keepdim=True).values  # [num_nodes, 1]
+        probs = probs * (probs >= floor)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
 

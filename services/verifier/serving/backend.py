@@ -17,6 +17,7 @@ from typing import Protocol
 
 from sssd.common.rpc.totals import Totals
 from sssd.verifier.engine.request import GenerateRequest, RequestLimits
+from sssd.verifier.engine.token_logprob import TokenLogprob
 from sssd.verifier.serving.errors import Draining, Overloaded, StreamError
 
 
@@ -41,6 +42,8 @@ class StreamEvent:
     # Only in a request's first event with tokens: its leading prompt tokens whose keys and
     # values came from the prefix cache instead of being computed.
     num_cached_tokens: int | None = None
+    # [len(token_ids)] when the request asked for log-probabilities, else None.
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)

@@ -139,14 +139,21 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         sampling = SamplingParams(
             temperature=float(request.temperature),
             top_p=float(request.top_p) if request.HasField("top_p") else 1.0,
-            top_k=int(request.top_k), seed=request.seed if request.HasField("seed") else None)
+            top_k=int(request.top_k), seed=request.seed if request.HasField("seed") else None,
+            presence_penalty=float(request.presence_penalty),
+            frequency_penalty=float(request.frequency_penalty),
+            repetition_penalty=float(request.repetition_penalty)
+            if request.HasField("repetition_penalty") else 1.0,
+            logit_bias=tuple(sorted(request.logit_bias.items())), min_p=float(request.min_p),
+            logprobs=request.top_logprobs if request.HasField("top_logprobs") else None)
         mode = request.speculation
         if mode != generate_pb2.SPECULATION_MODE_OFF and mode not in SOURCE_OF_MODE:
             raise InvalidRequest(f"speculation: unknown mode {mode}")
         return GenerateRequest(
             tuple(prompt_ids), max_tokens, sampling, tuple(request.stop),
             speculate=mode != generate_pb2.SPECULATION_MODE_OFF,
-            source=SOURCE_OF_MODE.get(mode, ""))
+            source=SOURCE_OF_MODE.get(mode, ""), stop_token_ids=tuple(request.stop_token_ids),
+            min_tokens=int(request.min_tokens))
 
     def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         return conversation_token_ids(self.tokenizer, messages, add_generation_prompt=True)
@@ -154,6 +161,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
 def to_response(event: StreamEvent) -> generate_pb2.GenerateResponse:
     response = generate_pb2.GenerateResponse(text=event.text, token_ids=event.token_ids)
+    for entry in event.logprobs or ():
+        response.logprobs.add(token_id=entry.token_id, logprob=entry.logprob,
+                              top_token_ids=[t for t, _ in entry.top],
+                              top_logprobs=[lp for _, lp in entry.top])
     if event.step is not None:
         response.step.CopyFrom(generate_pb2.StepStats(
             accepted_tokens=event.step.accepted_tokens, budget=event.step.budget,

@@ -203,7 +203,8 @@ class EngineLoop:
         stream.sent_text = max(stream.sent_text, end)
         cached = stream.seq.num_cached_tokens if stream.sent_tokens == 0 and stream.seq else None
         stream.sent_tokens += len(row.token_ids)
-        handle.events.put(StreamEvent(row.token_ids, delta, info, num_cached_tokens=cached))
+        handle.events.put(StreamEvent(row.token_ids, delta, info, num_cached_tokens=cached,
+                                      logprobs=row.logprobs))
 
     def _finish(self, stream: _Stream, error: StreamError | None = None) -> None:
         handle = stream.handle

@@ -180,30 +180,40 @@ def test_sse_framing_and_usage_only_when_asked(frontend):
 
 
 @pytest.mark.parametrize("endpoint,field,value", [
-    ("chat", "logprobs", True),
-    ("chat", "top_logprobs", 3),
-    ("chat", "presence_penalty", 0.5),
-    ("chat", "frequency_penalty", -1.0),
-    ("chat", "repetition_penalty", 1.2),
-    ("chat", "logit_bias", {"50": 10}),
+    ("chat", "logprobs", "yes"),
+    ("chat", "top_logprobs", 21),
+    ("chat", "top_logprobs", 3),  # without logprobs true
+    ("chat", "presence_penalty", 2.5),
+    ("chat", "frequency_penalty", -3),
+    ("chat", "repetition_penalty", 0),
+    ("chat", "logit_bias", {"fifty": 10}),
+    ("chat", "logit_bias", {"50": 101}),
+    ("chat", "logit_bias", {"10000000": 1}),
+    ("chat", "min_p", 1.5),
+    ("chat", "min_tokens", 3),  # more than max_tokens 2
+    ("chat", "stop_token_ids", [-1]),
+    ("chat", "stop_token_ids", [10**7]),
+    # The default model's chat template has no tool format: refused by name.
     ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("chat", "tool_choice", "required"),
     ("chat", "response_format", {"type": "json_object"}),
-    ("chat", "n", 2),
-    ("chat", "min_tokens", 4),
+    ("chat", "n", 0),
+    ("chat", "n", 17),
     ("chat", "a_field_nobody_defined", 1),
-    ("completions", "logprobs", 2),
+    ("completions", "logprobs", 21),
+    ("completions", "logprobs", True),
     ("completions", "echo", True),
     ("completions", "best_of", 3),
     ("completions", "suffix", "tail"),
-    ("completions", "n", 3),
+    ("completions", "n", "3"),
 ])
-def test_a_field_the_engine_cannot_honour_is_400_naming_it(frontend, endpoint, field, value):
+def test_unsupported_fields_and_bad_values_are_400_naming_the_field(frontend, endpoint, field,
+                                                                     value):
     body = {"messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat" \
         else {"prompt": "hi"}
     status, reply = post(frontend, f"/v1/{endpoint.replace('chat', 'chat/completions')}",
                          body | {"max_tokens": 2, field: value})
-    assert status == 400
+    assert status == 400, reply
     error = reply["error"]
     assert error["param"] == field and field in error["message"]
     assert error["type"] == "invalid_request_error"
@@ -512,3 +522,82 @@ def test_full_queue_is_429_and_health_follows_loading_and_draining(target_model_
         assert not stopper.is_alive()
     finally:
         frontend.stop(0)
+
+
+def test_logprobs_over_http_are_the_same_with_and_without_speculation(sdk, model_name):
+    messages = [{"role": "user", "content": "List the first five prime numbers."}]
+    replies = [sdk.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=24, temperature=0, logprobs=True,
+        top_logprobs=4, extra_body={"speculation": mode}) for mode in ("off", "auto")]
+    plain, speculated = (r.choices[0].logprobs.content for r in replies)
+    assert len(plain) == replies[0].usage.completion_tokens == len(speculated)
+    # Every emitted token has its entry, the EOS that ended the answer included.
+    assert "".join(e.token for e in plain).startswith(replies[0].choices[0].message.content)
+    for entry, spec_entry in zip(plain, speculated):
+        assert entry.token == spec_entry.token and len(entry.top_logprobs) == 4
+        assert spec_entry.logprob == pytest.approx(entry.logprob, abs=1e-4)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the most likely one
+        assert entry.bytes == list(entry.token.encode())
+    assert replies[1].model_extra["speculation"]["verification_steps"] > 0
+    completion = sdk.completions.create(model=model_name, prompt="The capital of France is",
+                                        max_tokens=6, temperature=0, logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    assert "".join(logprobs.tokens) == completion.choices[0].text
+    assert len(logprobs.token_logprobs) == 6 and all(len(t) == 2 for t in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset[1] == len(logprobs.tokens[0])
+
+
+def test_n_choices_with_a_seed_are_reproducible_and_differ(sdk, model_name):
+    def ask(stream=False):
+        options = dict(model=model_name, messages=[{"role": "user", "content": "Tell a joke."}],
+                       max_tokens=12, temperature=1.0, seed=42, n=4)
+        if not stream:
+            reply = sdk.chat.completions.create(**options)
+            assert sorted(c.index for c in reply.choices) == [0, 1, 2, 3]
+            return [c.message.content for c in sorted(reply.choices, key=lambda c: c.index)]
+        texts = [""] * 4
+        for chunk in sdk.chat.completions.create(stream=True, **options):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+        return texts
+
+    first = ask()
+    assert ask() == first and ask(stream=True) == first
+    assert len(set(first)) > 1  # each choice samples with its own seed
+    single = sdk.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Tell a joke."}], max_tokens=12,
+        temperature=1.0, seed=42)
+    assert single.choices[0].message.content == first[0]  # choice 0 is the seed's own answer
+
+
+def test_penalties_over_http_change_the_answer_and_not_with_speculation(sdk, model_name):
+    messages = [{"role": "user", "content": "Write a list of ten fruits, one per line."}]
+
+    def ask(mode, **options):
+        return sdk.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=32, temperature=0,
+            extra_body={"speculation": mode} | options.pop("extra", {}), **options
+        ).choices[0].message.content
+
+    plain = ask("off")
+    for options in (dict(frequency_penalty=1.5), dict(presence_penalty=1.0),
+                    dict(extra={"repetition_penalty": 1.4}), dict(logit_bias={"198": -100}),
+                    dict(extra={"min_p": 0.2, "min_tokens": 8})):
+        adjusted = ask("off", **dict(options))
+        assert ask("auto", **dict(options)) == adjusted, options
+        if "min_p" not in str(options):  # greedy: min_p and min_tokens (no EOS by 8) are inert
+            assert adjusted != plain, options
+    # stop_token_ids: the answer ends at the first such token.
+    tokens = sdk.chat.completions.create(model=model_name, messages=messages, max_tokens=32,
+                                         temperature=0, logprobs=True).choices[0].logprobs
+    stop_text = tokens.content[3].token
+    stopped = sdk.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=32, temperature=0,
+        extra_body={"stop_token_ids": [int(stop_id(sdk, stop_text))]})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens <= 4
+
+
+def stop_id(sdk, text):
+    return sdk.post("/../tokenize", cast_to=object,
+                    body={"prompt": text, "add_special_tokens": False})["tokens"][0]

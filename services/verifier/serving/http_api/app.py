@@ -31,9 +31,11 @@ from sssd.verifier.serving.http_api.schema import (
     RequestParser,
     boolean,
     chat_messages,
+    choice_requests,
     field_of,
     refuse_unknown,
 )
+from sssd.verifier.serving.http_api.tool_calls import ToolCallParser
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ class OpenAIApi:
         self.model_name = model_name
         self.api_key = ApiKey(api_key) if api_key else None
         self.open_paths = ("/health", "/metrics") if open_health else ()
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
         self.max_model_len = 0  # the backend's context window, once attached
         self.max_tokens_limit = max_tokens_limit  # None: what the window holds
         self.default_max_tokens = default_max_tokens
@@ -146,6 +149,8 @@ class OpenAIApi:
 
     async def _generate(self, http: Request, chat: bool) -> Response:
         prompt_field = "messages" if chat else "prompt"
+        handles: list[RequestHandle] = []
+        backend = None
         try:
             body = await self._body(http)
             backend = self._serving().backend
@@ -154,7 +159,8 @@ class OpenAIApi:
             parsed = await asyncio.get_running_loop().run_in_executor(
                 self._pool, self.parser.parse, body, chat)
             try:
-                handle = backend.submit(parsed.request)
+                for request in choice_requests(parsed):
+                    handles.append(backend.submit(request))
             except InvalidRequest as exc:
                 raise ApiError(400, str(exc), field_of(str(exc), prompt_field)) from None
             except ServingError as exc:
@@ -162,43 +168,83 @@ class OpenAIApi:
                 raise ApiError(STATUS_OF_KIND[exc.kind], str(exc), code=exc.kind.value) \
                     from None
         except ApiError as exc:
+            for handle in handles:  # the choices admitted before one was refused
+                backend.cancel(handle.request_id)  # (backend is set where handles are)
             return exc.response()
-        tracker = self.metrics.track(handle.num_prompt_tokens)
-        answer = Answer(chat, self.model_name, parsed, handle)
+        trackers = [self.metrics.track(handle.num_prompt_tokens) for handle in handles]
+        tools = (lambda: ToolCallParser(parsed.tool_prefix, parsed.tool_names)) \
+            if parsed.parses_tools else None
+        answer = Answer(chat, self.model_name, parsed, handles[0].num_prompt_tokens,
+                        self._token_text, tools)
+        end = lambda: self._end(handles, trackers)  # noqa: E731 - run on every way out
         if parsed.stream:
-            return EventStream(self._stream(handle, answer, tracker),
-                               on_close=lambda: self._end(handle, tracker))
-        watcher = asyncio.create_task(_watch_disconnect(
-            http, lambda: self._end(handle, tracker)))
+            return EventStream(self._stream(handles, answer, trackers), on_close=end)
+        watcher = asyncio.create_task(_watch_disconnect(http, end))
         try:
-            error = None
-            async for event in self._events(handle):
-                tracker.event(event)
-                answer.add(event)
+            async for index, event in self._merged(handles):
+                trackers[index].event(event)
                 if event.error is not None:
-                    error = event.error
-            if error is not None:
-                return ApiError(STATUS_OF_KIND[error.kind], error.message,
-                                code=error.kind.value).response()
+                    return ApiError(STATUS_OF_KIND[event.error.kind], event.error.message,
+                                    code=event.error.kind.value).response()
+                answer.add(index, event)
             return JSONResponse(answer.whole())
         finally:
             watcher.cancel()
-            self._end(handle, tracker)
+            end()
 
-    async def _stream(self, handle: RequestHandle, answer: Answer,
-                      tracker: RequestTracker) -> AsyncIterator[bytes]:
+    async def _stream(self, handles: list[RequestHandle], answer: Answer,
+                      trackers: list[RequestTracker]) -> AsyncIterator[bytes]:
         for chunk in answer.opening():
             yield sse(chunk)
-        async for event in self._events(handle):
-            tracker.event(event)
+        async for index, event in self._merged(handles):
+            trackers[index].event(event)
             if event.error is not None:
                 error = ApiError(STATUS_OF_KIND[event.error.kind], event.error.message,
                                  code=event.error.kind.value)
                 yield sse(error.body())
                 break
-            for chunk in answer.chunks(event):
+            for chunk in answer.chunks(index, event):
+                yield sse(chunk)
+        else:
+            for chunk in answer.closing():
                 yield sse(chunk)
         yield b"data: [DONE]\n\n"
+
+    async def _merged(self, handles: list[RequestHandle]
+                      ) -> AsyncIterator[tuple[int, StreamEvent]]:
+        """(choice index, event) of every choice as they come, until each one's last; stops
+        after the first error (the other choices are then cancelled by `_end`)."""
+        if len(handles) == 1:
+            async for event in self._events(handles[0]):
+                yield 0, event
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, handle: RequestHandle) -> None:
+            async for event in self._events(handle):
+                await merged.put((index, event))
+
+        pumps = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+        try:
+            num_open = len(handles)
+            while num_open:
+                index, event = await merged.get()
+                yield index, event
+                if event.error is not None:
+                    return
+                if event.totals is not None:
+                    num_open -= 1
+        finally:
+            for task in pumps:
+                task.cancel()
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's text as the logprobs report it (special tokens too)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.parser.tokenizer.decode([token_id])
+            self._token_texts[token_id] = text
+        return text
 
     async def _events(self, handle: RequestHandle) -> AsyncIterator[StreamEvent]:
         """The request's events until its last one."""
@@ -211,13 +257,14 @@ class OpenAIApi:
             if event.totals is not None or event.error is not None:
                 return
 
-    def _end(self, handle: RequestHandle, tracker: RequestTracker) -> None:
-        """After the response, however it ended (the client gone included): frees the request
-        if it still runs."""
-        if not tracker.is_ended:
-            tracker.end("abort")
-        if self.backend is not None:
-            self.backend.cancel(handle.request_id)  # a no-op once it finished
+    def _end(self, handles: list[RequestHandle], trackers: list[RequestTracker]) -> None:
+        """After the response, however it ended (the client gone included): frees the
+        requests of its choices that still run."""
+        for handle, tracker in zip(handles, trackers):
+            if not tracker.is_ended:
+                tracker.end("abort")
+            if self.backend is not None:
+                self.backend.cancel(handle.request_id)  # a no-op once it finished
 
     # --- request parsing ----------------------------------------------------------------------
 

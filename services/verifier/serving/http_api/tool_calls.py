@@ -1,0 +1,186 @@
+"""Tool calls in the chat API: the model's format chosen from its chat template, the calls
+parsed from its output (whole, or incrementally while streaming), and the prompt prefix that
+forces a call for `tool_choice` "required" or a named function.
+
+One format exists here: Hermes' / Qwen2.5's, which the Qwen2.5 templates render (the tools
+inside <tools></tools> in the system prompt) and whose models answer
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+one block per call, after optional text. The smaller Qwen2.5-Coder models often drop the tags
+and answer with the bare object; an answer that is nothing but such an object naming one of the
+request's tools is taken as that call too (streamed, an answer that opens with "{" is held back
+until it ends, to tell). A template without the format has no tool parser here, and `tools` on
+such a model is refused by name (no guessing from another family's markers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def tool_format(tokenizer) -> str | None:
+    """The model's tool-call format ("hermes"), or None where its chat template has none."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):  # named templates: the default, or the tool-use one
+        template = template.get("tool_use") or template.get("default") or ""
+    return "hermes" if OPEN in template and "tools" in template else None
+
+
+def forced_prefix(tool_choice: object) -> str:
+    """Text the answer starts with, put at the end of the prompt: a call must follow for
+    "required", a call of this function for {"type": "function", "function": {"name": ...}}.
+    The parser reads the answer as if the model had written the prefix."""
+    if tool_choice == "required":
+        return OPEN + '\n{"name": "'
+    if isinstance(tool_choice, dict):
+        name = tool_choice["function"]["name"]
+        return OPEN + '\n{"name": ' + json.dumps(name) + ', "arguments": '
+    return ""
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it (a string)
+    id: str
+
+    def message(self) -> dict:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _parse_call(body: str) -> ToolCall | None:
+    """A call from the JSON between the tags, or None when it is not one."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False),
+                    "call_" + os.urandom(12).hex())
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (held back while streaming)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class ToolCallParser:
+    """One answer's tool calls. `parse_whole` for a whole answer; `feed` for a stream, which
+    returns the chat `delta`s to send: content outside the blocks, and for each call a delta
+    with its index, id and name, then one with its arguments (OpenAI's order)."""
+
+    def __init__(self, prefix: str = "", names: tuple[str, ...] = ()) -> None:
+        """`prefix`: the answer's forced start (forced_prefix); `names`: the request's tools,
+        which a bare call object must name."""
+        self.prefix, self.names = prefix, names
+        self.calls: list[ToolCall] = []
+        self._pending = prefix  # text not yet sent
+        self._inside = False
+        self._sent_content = False
+
+    def _bare_call(self, text: str) -> ToolCall | None:
+        body = text.strip()
+        if not body.startswith("{"):
+            return None
+        call = _parse_call(body)
+        return call if call is not None and call.name in self.names else None
+
+    def parse_whole(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(the content, or None when only calls were made; the calls)."""
+        text = self.prefix + text
+        bare = self._bare_call(text)
+        if bare is not None:
+            self.calls = [bare]
+            return None, self.calls
+        content, calls, position = [], [], 0
+        while True:
+            start = text.find(OPEN, position)
+            if start < 0:
+                content.append(text[position:])
+                break
+            content.append(text[position:start])
+            end = text.find(CLOSE, start)
+            body = text[start + len(OPEN): end if end >= 0 else len(text)]
+            call = _parse_call(body.strip())
+            if call is None:  # not a call: the model's text as it is
+                content.append(text[start: end + len(CLOSE) if end >= 0 else len(text)])
+            else:
+                calls.append(call)
+            if end < 0:
+                break
+            position = end + len(CLOSE)
+        self.calls = calls
+        joined = "".join(content).strip() if calls else "".join(content)
+        return (joined or None) if calls else joined, calls
+
+    def feed(self, text: str, final: bool) -> list[dict]:
+        self._pending += text
+        deltas: list[dict] = []
+        if not (self._sent_content or self.calls or self._inside) and \
+                self._pending.lstrip().startswith("{"):
+            if not final:
+                return deltas  # perhaps a bare call: known at the end
+            call = self._bare_call(self._pending)
+            if call is not None:
+                self._pending = ""
+                self.calls.append(call)
+                return self._call_deltas(0, call)
+        while True:
+            if not self._inside:
+                start = self._pending.find(OPEN)
+                if start < 0:
+                    keep = 0 if final else _partial_tag(self._pending, OPEN)
+                    head = self._pending[: len(self._pending) - keep]
+                    self._pending = self._pending[len(head):]
+                    if head and not (self.calls and not head.strip()):
+                        deltas.append({"content": head})
+                        self._sent_content = True
+                    return deltas
+                head = self._pending[:start]
+                if head and not (self.calls and not head.strip()):
+                    deltas.append({"content": head})
+                    self._sent_content = True
+                self._pending = self._pending[start:]
+                self._inside = True
+            end = self._pending.find(CLOSE)
+            if end < 0 and not final:
+                return deltas
+            block = self._pending[: end + len(CLOSE)] if end >= 0 else self._pending
+            self._pending = self._pending[len(block):]
+            self._inside = False
+            body = block[len(OPEN): len(block) - len(CLOSE) if end >= 0 else len(block)]
+            call = _parse_call(body.strip())
+            if call is None:
+                deltas.append({"content": block})
+            else:
+                self.calls.append(call)
+                deltas += self._call_deltas(len(self.calls) - 1, call)
+            if final and not self._pending:
+                return deltas
+
+    @staticmethod
+    def _call_deltas(index: int, call: ToolCall) -> list[dict]:
+        """A call as OpenAI streams it: its index, id and name, then its arguments."""
+        return [{"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                                 "function": {"name": call.name, "arguments": ""}}]},
+                {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]

@@ -1,0 +1,132 @@
+"""Tool calling through the openai SDK against a real server of Qwen2.5-Coder-0.5B (a chat
+template with tools): a multi-turn tool conversation, streamed and not, its parsed calls equal
+to the model's raw output; tool_choice required and named; refusals by name."""
+
+import json
+
+import openai
+import pytest
+
+from sssd.verifier.engine.config import EngineConfig
+from sssd.verifier.serving.config import FrontendConfig
+from sssd.verifier.serving.http_api.tool_calls import ToolCallParser
+
+from support.serving import running_frontend
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "the city's name"}}, "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+QUESTION = [{"role": "system", "content": "You are a helpful assistant. Call a tool when you "
+             "need its data. Once a tool has answered, reply to the user in one sentence."},
+            {"role": "user", "content": "What is the weather like in Paris right now?"}]
+
+
+@pytest.fixture(scope="module")
+def frontend(qwen_coder_05b):
+    engine = EngineConfig(model="qwen-coder-0.5b", dtype="bfloat16", mode="sssd",
+                          max_batch_size=4, max_len=2048, budget_policy="rule")
+    config = FrontendConfig(engine=engine, port=0, http_port=0, max_requests=8, max_workers=16,
+                            grace_s=1.0)
+    with running_frontend(config, qwen_coder_05b) as frontend:
+        yield frontend
+
+
+@pytest.fixture(scope="module")
+def sdk(frontend):
+    with openai.OpenAI(base_url=frontend.http_url + "/v1", api_key="unused",
+                       max_retries=0) as client:
+        yield client
+
+
+def ask(sdk, frontend, messages, **options):
+    options = {"temperature": 0, "max_tokens": 80} | options
+    return sdk.chat.completions.create(model=frontend.http.api.model_name, messages=messages,
+                                       **options)
+
+
+def test_a_tool_conversation_streamed_and_not(sdk, frontend):
+    reply = ask(sdk, frontend, QUESTION, tools=[WEATHER, CLOCK])
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] == "Paris"
+    assert call.id.startswith("call_")
+    # The parsed call is the model's own output: the same request without parsing.
+    raw = ask(sdk, frontend, QUESTION, tools=[WEATHER, CLOCK], extra_body={"speculation": "off"})
+    assert raw.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+    content, calls = ToolCallParser(names=("get_weather",)).parse_whole(
+        "<tool_call>\n" + json.dumps({"name": "get_weather",
+                                      "arguments": json.loads(call.function.arguments)})
+        + "\n</tool_call>")
+    assert content is None and calls[0].arguments == call.function.arguments
+
+    # Streamed: deltas with the call's index, id and name, then its arguments; the same call.
+    stream = sdk.chat.completions.create(model=frontend.http.api.model_name, messages=QUESTION,
+                                         tools=[WEATHER, CLOCK], temperature=0, max_tokens=80,
+                                         stream=True)
+    name, arguments, ids, finish = "", "", set(), None
+    for chunk in stream:
+        for delta_call in chunk.choices[0].delta.tool_calls or ():
+            assert delta_call.index == 0
+            ids.add(delta_call.id) if delta_call.id else None
+            name += delta_call.function.name or ""
+            arguments += delta_call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert name == "get_weather" and arguments == call.function.arguments
+    assert len(ids) == 1 and finish == "tool_calls"
+
+    # The tool's result goes back; the model answers in words.
+    history = QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id,
+         "content": json.dumps({"city": "Paris", "temperature_c": 18, "sky": "sunny"})}]
+    # (tool_choice none: the 0.5B model tends to call again after a result; agents end the
+    # loop the same way.)
+    final = ask(sdk, frontend, history, tools=[WEATHER, CLOCK], tool_choice="none")
+    answer = final.choices[0]
+    assert answer.finish_reason == "stop" and not answer.message.tool_calls, answer
+    assert "18" in answer.message.content
+    # With tools in the prompt (auto) the same history is longer by their description.
+    with_tools = ask(sdk, frontend, history, tools=[WEATHER, CLOCK], max_tokens=1)
+    assert with_tools.usage.prompt_tokens > final.usage.prompt_tokens + 50
+
+
+def test_tool_choice_required_and_named_force_a_call(sdk, frontend):
+    chat = [{"role": "user", "content": "Hello! How are you today?"}]
+    auto = ask(sdk, frontend, chat, tools=[WEATHER, CLOCK])
+    assert auto.choices[0].finish_reason == "stop" and auto.choices[0].message.content
+    required = ask(sdk, frontend, chat, tools=[WEATHER, CLOCK], tool_choice="required")
+    assert required.choices[0].finish_reason == "tool_calls"
+    assert required.choices[0].message.tool_calls[0].function.name in ("get_weather",
+                                                                        "get_time")
+    named = ask(sdk, frontend, QUESTION, tools=[WEATHER, CLOCK],
+                tool_choice={"type": "function", "function": {"name": "get_time"}})
+    call = named.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_time" and "city" in json.loads(call.function.arguments)
+    none = ask(sdk, frontend, QUESTION, tools=[WEATHER, CLOCK], tool_choice="none")
+    assert not none.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("options, field", [
+    (dict(tools=[{"type": "function"}]), "tools"),
+    (dict(tools=[WEATHER], tool_choice="sometimes"), "tool_choice"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+     "tool_choice"),
+    (dict(tool_choice="required"), "tool_choice"),
+])
+def test_bad_tool_fields_are_400_naming_the_field(sdk, frontend, options, field):
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(sdk, frontend, QUESTION, **options)
+    assert caught.value.body["param"] == field
+
+
+def test_a_tool_message_needs_its_call_id(sdk, frontend):
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(sdk, frontend, QUESTION + [{"role": "tool", "content": "18 C"}], tools=[WEATHER])
+    assert "tool_call_id" in caught.value.body["message"]
