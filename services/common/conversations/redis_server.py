@@ -24,6 +24,8 @@ from pathlib import Path
 
 import redis
 
+from sssd.common.config.secrets import read_secret_file
+
 PASSWORD_FILE_ENV = "SSSD_REDIS_PASSWORD_FILE"
 PASSWORD_ENV = "SSSD_REDIS_PASSWORD"
 
@@ -33,13 +35,7 @@ def configured_password() -> str | None:
     SSSD_REDIS_PASSWORD, else None. A named file that cannot be read is an error."""
     path = os.environ.get(PASSWORD_FILE_ENV)
     if path:
-        try:
-            password = Path(path).read_text().strip()
-        except OSError as exc:
-            raise RuntimeError(f"{PASSWORD_FILE_ENV}={path}: {exc.strerror or exc}") from exc
-        if not password:
-            raise RuntimeError(f"{PASSWORD_FILE_ENV}={path}: the file is empty")
-        return password
+        return read_secret_file(path, PASSWORD_FILE_ENV, RuntimeError)
     return os.environ.get(PASSWORD_ENV) or None
 
 

@@ -18,9 +18,10 @@ import argparse
 import hashlib
 import hmac
 import os
-from pathlib import Path
 
 import grpc
+
+from sssd.common.config.secrets import read_secret_file
 
 KEY_ENV, FILE_ENV = "SSSD_API_KEY", "SSSD_API_KEY_FILE"
 METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
@@ -47,16 +48,6 @@ class ApiKey:
         return hmac.compare_digest(_digest(authorization[len(BEARER):].strip()), self._digest)
 
 
-def read_key_file(path: str) -> str:
-    try:
-        key = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"API key file {path}: {exc.strerror or exc}") from None
-    if not key:
-        raise ValueError(f"API key file {path} is empty")
-    return key
-
-
 def resolve_key(key: str | None = None, key_file: str | None = None,
                 environ: dict[str, str] | None = None) -> str | None:
     """The configured key (flags first, then SSSD_API_KEY_FILE, then SSSD_API_KEY), or None."""
@@ -65,7 +56,7 @@ def resolve_key(key: str | None = None, key_file: str | None = None,
         return key
     key_file = key_file or environ.get(FILE_ENV)
     if key_file:
-        return read_key_file(key_file)
+        return read_secret_file(key_file, "--api-key-file")
     return environ.get(KEY_ENV) or None
 
 

@@ -57,14 +57,17 @@ def test_a_tool_conversation_streamed_and_not(sdk, frontend):
     assert call.type == "function" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments)["city"] == "Paris"
     assert call.id.startswith("call_")
-    # The parsed call is the model's own output: the same request without parsing.
-    raw = ask(sdk, frontend, QUESTION, tools=[WEATHER, CLOCK], extra_body={"speculation": "off"})
-    assert raw.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
-    content, calls = ToolCallParser(names=("get_weather",)).parse_whole(
-        "<tool_call>\n" + json.dumps({"name": "get_weather",
-                                      "arguments": json.loads(call.function.arguments)})
-        + "\n</tool_call>")
-    assert content is None and calls[0].arguments == call.function.arguments
+    # The parsed call is the model's own output: the same prompt's raw text, through the
+    # completions endpoint, parses to the same call (and speculation off gives it too).
+    prompt_ids = frontend.http.api.parser.parse(
+        {"messages": QUESTION, "tools": [WEATHER, CLOCK]}, True).request.prompt_ids
+    raw = sdk.completions.create(model=frontend.http.api.model_name, prompt=list(prompt_ids),
+                                 temperature=0, max_tokens=80).choices[0].text
+    content, calls = ToolCallParser(names=("get_weather", "get_time")).parse_whole(raw)
+    assert content is None and len(calls) == 1
+    assert (calls[0].name, calls[0].arguments) == (call.function.name, call.function.arguments)
+    off = ask(sdk, frontend, QUESTION, tools=[WEATHER, CLOCK], extra_body={"speculation": "off"})
+    assert off.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
 
     # Streamed: deltas with the call's index, id and name, then its arguments; the same call.
     stream = sdk.chat.completions.create(model=frontend.http.api.model_name, messages=QUESTION,
