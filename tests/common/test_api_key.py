@@ -47,8 +47,10 @@ def test_resolution_order_flag_file_environment(tmp_path):
 
 
 def test_flags_export_the_key_for_this_process_clients(monkeypatch):
-    monkeypatch.delenv("SSSD_API_KEY", raising=False)
-    monkeypatch.delenv("SSSD_API_KEY_FILE", raising=False)
+    # A copy of the environment: the key exported here must not reach the session's other
+    # tests (their servers and clients read SSSD_API_KEY).
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
+                                        if not k.startswith("SSSD_API_KEY")})
     parser = argparse.ArgumentParser()
     add_api_key_flags(parser)
     assert api_key_from_args(parser.parse_args([])) is None

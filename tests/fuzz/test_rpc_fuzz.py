@@ -76,9 +76,19 @@ def scalar(field, hints, hinted=True):
     return st.one_of(values, hint) if hint is not None else values
 
 
+def is_map(field) -> bool:
+    return field.message_type is not None and field.message_type.GetOptions().map_entry
+
+
 def value(field, hints):
     if not field.is_repeated:
         return scalar(field, hints)
+    if is_map(field):  # keys and values of the entry's types, a few or thousands of them
+        entry = field.message_type.fields_by_name
+        keys = scalar(entry["key"], hints, hinted=False)
+        values = scalar(entry["value"], hints, hinted=False)
+        return st.one_of(st.dictionaries(keys, values, max_size=6),
+                         st.integers(1_000, 20_000).map(lambda n: dict.fromkeys(range(n), 1)))
     element = scalar(field, hints, hinted=False)
     if field.message_type is not None:
         huge = st.integers(300, 6_000).map(lambda n: [message_class(field.message_type)()] * n)
@@ -109,7 +119,9 @@ def message(descriptor, hints, depth=0):
                 continue
             field = descriptor.fields_by_name[name]
             if field.is_repeated:
-                if field.message_type is not None:
+                if is_map(field):
+                    getattr(msg, name).update(field_value)
+                elif field.message_type is not None:
                     getattr(msg, name).extend(field_value)
                 else:
                     getattr(msg, name)[:] = field_value
