@@ -106,6 +106,13 @@ def forced(**paths: str) -> Iterator[None]:
         raise ValueError(f"unknown kernels {sorted(unknown)}; known: {', '.join(KERNELS)}")
     if "products" in paths and paths["products"] not in PRODUCTS:
         raise ValueError(f"products must be one of {PRODUCTS}, got {paths['products']!r}")
+    if "products" in paths:
+        # bfloat16 is the dtype every layout but plain can take, so a layout it cannot run (onednn
+        # on an AVX2-only CPU) is one this CPU does not have; float32 is checked per Decoder.
+        possible = possible_products(torch.bfloat16, torch.device("cpu"))
+        if paths["products"] not in possible:
+            raise ValueError(f"products {paths['products']!r} cannot run here "
+                             f"(possible: {', '.join(possible)})")
     previous: dict[str, str] = {}
     previous_products = _forced_products
     try:
