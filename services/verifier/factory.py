@@ -18,6 +18,7 @@ from sssd.common.model.tree_batch import MAX_TREE_BITS_NODES
 from sssd.verifier.engine.acceptance_estimates import DEFAULT_ACCEPTANCE_PRIOR, load_acceptance
 from sssd.verifier.engine.budget_policy import BudgetPolicy, FixedBudget, MeasuredBudget, RuleBudget
 from sssd.verifier.engine.config import EngineConfig, parse_memory
+from sssd.verifier.engine.constraint import GrammarCompiler
 from sssd.verifier.engine.engine import Engine
 from sssd.verifier.engine.forward_profile import ForwardProfile, profile_forward, profiled_batches
 from sssd.verifier.engine.machine_probe import cgroup_room, machine_load
@@ -133,6 +134,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
         max_batch_size=config.max_batch_size,
         max_num_batched_tokens=config.max_num_batched_tokens,
         enable_prefix_caching=config.enable_prefix_caching,
+        grammars=GrammarCompiler(tokenizer, runner.vocab_size, loaded.eos_token_ids),
     )
 
 

@@ -115,6 +115,7 @@ def make_engine(loaded, max_batch_size, datastore_dir=None, proposer="inproc", m
     from sssd.drafter.drafter import LocalDrafter
     from sssd.verifier.engine import Engine
     from sssd.verifier.engine.budget_policy import RuleBudget
+    from sssd.verifier.engine.constraint import GrammarCompiler
     from sssd.verifier.engine.model_runner import ModelRunner
 
     runner = ModelRunner(loaded.model, max_seqs=max_batch_size, max_len=1024, attention=attention,
@@ -131,5 +132,6 @@ def make_engine(loaded, max_batch_size, datastore_dir=None, proposer="inproc", m
     tokenizer = loaded.tokenizer
     engine = Engine(runner, loaded.eos_token_ids, RuleBudget(32.0, max_budget), drafter,
                     detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                    max_batch_size=max_batch_size)
+                    max_batch_size=max_batch_size,
+                    grammars=GrammarCompiler(tokenizer, runner.vocab_size, loaded.eos_token_ids))
     return engine, drafter

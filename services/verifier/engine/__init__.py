@@ -14,7 +14,8 @@ import importlib
 
 _EXPORTS = {
     "Engine": "engine", "EngineConfig": "config", "EngineStats": "output",
-    "GenerateRequest": "request", "InvalidRequest": "request", "RequestLimits": "request",
+    "GenerateRequest": "request", "Grammar": "grammar", "InvalidRequest": "errors",
+    "RequestLimits": "request",
     "RowOutput": "output", "SamplingParams": "request", "StepOutput": "output",
 }
 __all__ = sorted(_EXPORTS)

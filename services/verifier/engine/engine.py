@@ -18,6 +18,7 @@ It returns a `StepOutput`; observers read that, never the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -33,6 +34,7 @@ from sssd.common.model.tree_batch import MAX_TREE_BITS_NODES
 from sssd.verifier.engine.acceptance import AcceptResult, accept_greedy, draws_at_positions
 from sssd.verifier.engine.block_manager import BlockManager
 from sssd.verifier.engine.budget_policy import BudgetPolicy
+from sssd.verifier.engine.constraint import GrammarCompiler
 from sssd.verifier.engine.detokenizer import Decode, IncrementalDetokenizer, find_stop
 from sssd.verifier.engine.drafting import Drafting, Drafts
 from sssd.verifier.engine.handoff import PrefilledPrompt
@@ -72,6 +74,7 @@ class Engine:
         max_batch_size: int = 64,
         max_num_batched_tokens: int = 512,
         enable_prefix_caching: bool = True,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         """`proposer`: the drafting source (None: autoregressive decoding); the engine owns it
         and closes it in `close()`. `detokenize(ids)` gives the text of token ids with special
@@ -79,12 +82,14 @@ class Engine:
         text), without it requests may not have stop strings. `max_batch_size`: the most
         sequences running at once; `max_num_batched_tokens`: the prompt tokens a step prefills
         at most (chunked prefill); `enable_prefix_caching`: full blocks are reused across
-        requests."""
+        requests; `grammars`: makes the constraints of requests with structured output (None:
+        such requests are refused)."""
         self.runner = runner
         self.eos_token_ids = frozenset(eos_token_ids)
         self.budget_policy = budget_policy
         self.drafting = Drafting(proposer, runner.vocab_size)
         self.detokenize = detokenize
+        self.grammars = grammars
         self.blocks = BlockManager(runner.cache.num_blocks, runner.block_size,
                                    runner.prefix_salt, enable_prefix_caching)
         self.scheduler = Scheduler(max_batch_size, self.blocks, max_num_batched_tokens)
@@ -114,16 +119,23 @@ class Engine:
             self.runner.check_prefilled(prefilled)
         if request.stop and self.detokenize is None:
             raise ValueError("stop strings need an engine built with a detokenize function")
+        if request.grammar is not None and self.grammars is None:
+            raise ValueError("structured output needs an engine built with its tokenizer's "
+                             "grammars (GrammarCompiler)")
         sequence = Sequence(
             request_id or f"{self._id_prefix}-{next(self._ids)}", request,
             seed=request.sampling.seed if request.sampling.seed is not None
             else secrets.randbits(64),
             detokenizer=IncrementalDetokenizer(self.detokenize) if self.detokenize else None,
             prefilled=prefilled)
+        if request.grammar is not None:
+            sequence.constraint = self.grammars.constraint(request.grammar)
         if request.resume_ids:  # an answer another worker began: its output so far
             sequence.output_ids.extend(request.resume_ids)
             if sequence.detokenizer is not None:
                 sequence.detokenizer.append(request.resume_ids)
+            if sequence.constraint is not None:
+                sequence.constraint.advance(request.resume_ids)
         self.scheduler.add(sequence)
         return sequence
 
@@ -191,6 +203,7 @@ class Engine:
             drafts = self.drafting.draft(
                 verifying, budget, self._draft_budget(len(verifying), budget),
                 lambda i: self.max_len - verifying[i].table.num_cached)
+            drafts, masks, num_pruned = self._constrained(verifying, drafts)
         verify_s = 0.0
         if drafts is not None or plans:
             logits, verify_s, chunks_s = self._forward(verifying, drafts, plans, rows)
@@ -200,8 +213,8 @@ class Engine:
             output = StepOutput(list(rows.values()), finished, prefill_s=prefill_s)
             self.stats.add(output)
             return output
-        results, logprobs = self._accept(verifying, drafts.trees, logits)
-        self._emit_verified(verifying, drafts, results, logprobs, rows)
+        results, logprobs = self._accept(verifying, drafts.trees, logits, masks)
+        self._emit_verified(verifying, drafts, results, logprobs, num_pruned, rows)
         # The policy prices a budget by the step's speculation work: a pass that also ran a
         # prompt says nothing about it.
         self._learn(keys, drafts, results, None if plans else step_start)
@@ -268,7 +281,8 @@ class Engine:
 
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
         """The token after the context, from its logits [vocab_size]: a one-node tree."""
-        logits = self._processed(seq, logits.unsqueeze(0), [-1], [seq.last_token])[0]
+        mask = seq.constraint.next_mask() if seq.constraint is not None else None
+        logits = self._processed(seq, logits.unsqueeze(0), [-1], [seq.last_token], mask)[0]
         if seq.request.sampling.is_greedy:
             return int(argmax_last(logits))
         probs = target_probs(logits.unsqueeze(0), seq.request.sampling)  # [1, vocab_size]
@@ -282,10 +296,29 @@ class Engine:
             return budget
         return self.budget_policy.draft_budget(batch_size, budget)
 
-    def _accept(self, running: list[Sequence], trees: list[DraftTree],
-                logits: torch.Tensor) -> tuple[list[AcceptResult], dict[int, list[TokenLogprob]]]:
+    def _constrained(self, running: list[Sequence], drafts: Drafts,
+                     ) -> tuple[Drafts, dict[int, torch.Tensor], dict[int, int]]:
+        """The drafts without the nodes the rows' grammars reject; by constrained row, its
+        masks after its kept nodes [num_nodes, vocab_size] bool (constraint.py) and the number
+        of nodes dropped."""
+        masks: dict[int, torch.Tensor] = {}
+        num_pruned: dict[int, int] = {}
+        trees = list(drafts.trees)
+        for row, seq in enumerate(running):
+            if seq.constraint is not None:
+                drafted = trees[row].num_nodes
+                trees[row], masks[row] = seq.constraint.tree(trees[row])
+                num_pruned[row] = drafted - trees[row].num_nodes
+        if not masks:
+            return drafts, masks, num_pruned
+        return dataclasses.replace(drafts, trees=trees), masks, num_pruned
+
+    def _accept(self, running: list[Sequence], trees: list[DraftTree], logits: torch.Tensor,
+                masks: dict[int, torch.Tensor],
+                ) -> tuple[list[AcceptResult], dict[int, list[TokenLogprob]]]:
         """Per row, the accepted path and bonus token; the KV cache keeps only accepted nodes.
         Also the log-probabilities of each emitted token, by row, for rows that asked.
+        `masks`: the grammar's masks of constrained rows, by row.
 
         The token the target chooses after every node (greedy rows: the argmax; sampled rows:
         the draw at the node's output position, acceptance.accept_at_positions) is decided on
@@ -297,7 +330,8 @@ class Engine:
             else torch.zeros((num_seqs, max_nodes), dtype=torch.int64, device=logits.device)
         for row, (seq, tree) in enumerate(zip(running, trees)):  # [num_seqs, max_nodes]
             row_logits = logits[row, : tree.num_nodes]  # [num_nodes, vocab_size]
-            node_logits = self._processed(seq, row_logits, tree.parents, tree.token_ids)
+            node_logits = self._processed(seq, row_logits, tree.parents, tree.token_ids,
+                                          masks.get(row))
             if not seq.request.sampling.is_greedy:
                 probs = target_probs(node_logits, seq.request.sampling)
                 chosen[row, : tree.num_nodes] = draws_at_positions(
@@ -321,19 +355,24 @@ class Engine:
         return results, logprobs
 
     def _processed(self, seq: Sequence, logits: torch.Tensor, parents: Seq[int],
-                   token_ids: Seq[int]) -> torch.Tensor:
+                   token_ids: Seq[int], mask: torch.Tensor | None = None) -> torch.Tensor:
         """A tree's logits [num_nodes, vocab_size] as `seq` samples from them: `logits` itself
-        when its request adjusts nothing, else an adjusted float copy (logits_processing.py)."""
-        if not needs_processing(seq.request, len(seq.output_ids)):
+        when its request adjusts nothing, else an adjusted float copy (logits_processing.py),
+        with the tokens its grammar forbids (`mask` [num_nodes, vocab_size] bool, False)
+        impossible."""
+        if mask is None and not needs_processing(seq.request, len(seq.output_ids)):
             return logits
         adjusted = logits.float().clone()  # [num_nodes, vocab_size]
-        process_tree_logits(adjusted, seq.request, seq.output_ids, parents, token_ids,
-                            self.eos_token_ids)
+        if needs_processing(seq.request, len(seq.output_ids)):
+            process_tree_logits(adjusted, seq.request, seq.output_ids, parents, token_ids,
+                                self.eos_token_ids)
+        if mask is not None:
+            adjusted.masked_fill_(~mask.to(adjusted.device), float("-inf"))
         return adjusted
 
     def _emit_verified(self, running: list[Sequence], drafts: Drafts,
                        results: list[AcceptResult], logprobs: dict[int, list[TokenLogprob]],
-                       rows: dict[str, RowOutput]) -> None:
+                       num_pruned: dict[int, int], rows: dict[str, RowOutput]) -> None:
         """Appends each row's accepted tokens and bonus token; one RowOutput per row."""
         for row, (seq, result, row_budget, tree) in enumerate(
                 zip(running, results, drafts.budgets, drafts.trees)):
@@ -344,6 +383,7 @@ class Engine:
             rows[seq.request_id] = RowOutput(
                 seq.request_id, token_ids, seq.text, result.num_accepted, row_budget,
                 is_verified=True, num_drafted=tree.num_nodes - 1,
+                num_pruned=num_pruned.get(row, 0),
                 logprobs=None if row_logprobs is None else row_logprobs[: len(token_ids)])
 
     def _learn(self, keys: list[str], drafts: Drafts, results: list[AcceptResult],
@@ -388,6 +428,8 @@ class Engine:
             seq.finish_reason = reason
             if seq.is_finished:
                 break
+        if seq.constraint is not None:
+            seq.constraint.advance(appended)
         detokenizer = seq.detokenizer
         if detokenizer is not None:
             if not seq.request.stop:  # with stop strings each token was added in _hit_stop

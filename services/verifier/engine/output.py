@@ -23,6 +23,7 @@ class RowOutput:
     budget: int  # this row's speculation budget in the step (1: no drafts)
     is_verified: bool  # took part in the verification forward (False: its prefill token only)
     num_drafted: int = 0  # draft tokens the row's tree held (its nodes but the root)
+    num_pruned: int = 0  # draft tokens its grammar rejected before verification (not drafted)
     # [len(token_ids)] with the request's `logprobs` set, else None.
     logprobs: list[TokenLogprob] | None = None
 
@@ -45,6 +46,8 @@ class EngineStats:
     num_steps: int = 0  # verification forward passes
     num_tokens: int = 0  # tokens emitted by verification steps (accepted + bonus)
     num_accepted: int = 0  # draft tokens accepted
+    num_drafted: int = 0  # draft tokens verified
+    num_pruned: int = 0  # draft tokens grammars rejected before verification
     num_row_steps: int = 0  # sum over steps of the batch size
     draft_s: float = 0.0  # time in the proposer
     verify_s: float = 0.0  # time in verification forwards
@@ -70,6 +73,8 @@ class EngineStats:
         for row in step.rows:
             if row.is_verified:
                 self.num_accepted += row.num_accepted
+                self.num_drafted += row.num_drafted
+                self.num_pruned += row.num_pruned
                 self.num_tokens += row.num_accepted + 1
 
     @property

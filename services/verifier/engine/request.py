@@ -16,16 +16,15 @@ import numbers
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from sssd.verifier.engine.errors import InvalidRequest
+from sssd.verifier.engine.grammar import Grammar
+
 MAX_STOP_STRINGS, MAX_STOP_LEN = 8, 256
 MAX_STOP_TOKEN_IDS, MAX_LOGIT_BIAS = 64, 300
 MAX_TOP_LOGPROBS = 20
 # Drafting sources a request may name (the API's speculation modes sssd and ssd); a server
 # offers those its engine mode has (RequestLimits.sources).
 SOURCES = ("sssd", "ssd")
-
-
-class InvalidRequest(ValueError):
-    """A request field is out of range; the message names the field and what is allowed."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +116,9 @@ class GenerateRequest:
     stop_token_ids: tuple[int, ...] = ()
     # Until the answer holds this many tokens, EOS and stop_token_ids cannot be drawn.
     min_tokens: int = 0
+    # Structured output: the answer matches this grammar (None: free text). The target's
+    # logits are masked by it at every node, so speculation stays lossless (constraint.py).
+    grammar: Grammar | None = None
     # Failover (serving/ray_backend.py): the answer's tokens a worker that died already
     # streamed. The engine takes them as its output so far (prefilled with the prompt; they
     # count towards max_tokens; sampling positions, the text and the published conversation
@@ -139,6 +141,8 @@ class GenerateRequest:
                 or not 0 <= self.min_tokens <= self.max_tokens):
             raise InvalidRequest(f"min_tokens: must be an integer in [0, max_tokens="
                                  f"{self.max_tokens}], got {self.min_tokens!r}")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise InvalidRequest("response_format: must be a Grammar")
         if not self.prompt_ids:
             raise InvalidRequest("prompt: must hold at least one token")
         if any(isinstance(t, bool) or not isinstance(t, numbers.Integral)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sssd.verifier.engine.block_manager import BlockTable
 from sssd.verifier.engine.detokenizer import IncrementalDetokenizer
 from sssd.verifier.engine.handoff import PrefilledPrompt
 from sssd.verifier.engine.request import GenerateRequest
+
+if TYPE_CHECKING:
+    from sssd.verifier.engine.constraint import Constraint
 
 FINISH_REASONS = ("stop", "length", "cancelled")
 
@@ -35,6 +39,8 @@ class Sequence:
     is_prefilled: bool = False
     # Its context's leading tokens the prefix cache held at its first admission (None before).
     num_cached_tokens: int | None = None
+    # Its grammar's state after the answer so far (structured output; None: free text).
+    constraint: Constraint | None = None
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
