@@ -14,11 +14,13 @@ never retried, so an answer is never duplicated.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -85,11 +87,13 @@ def build_request(prompt: Prompt, max_tokens: int = 0, temperature: float = 0.0,
                   top_logprobs: int | None = None, presence_penalty: float = 0.0,
                   frequency_penalty: float = 0.0, repetition_penalty: float | None = None,
                   logit_bias: dict[int, float] | None = None, min_p: float = 0.0,
-                  stop_token_ids: Sequence[int] = (), min_tokens: int = 0
-                  ) -> generate_pb2.GenerateRequest:
+                  stop_token_ids: Sequence[int] = (), min_tokens: int = 0,
+                  grammar: dict[str, Any] | None = None) -> generate_pb2.GenerateRequest:
     """A text prompt, chat messages ({"role", "content"} dicts) or token ids. The fields are
     the proto's (proto/sssd/v1/generate.proto); `top_logprobs` set asks for each token's
-    log-probability and that many alternatives.
+    log-probability and that many alternatives; `grammar` is one of {"json_object": True},
+    {"json_schema": a schema (dict or JSON text)}, {"regex": ...}, {"lark": ...} or
+    {"choice": [strings]}.
 
     Raises ValueError naming the field for what the message cannot carry (a negative count, a
     seed beyond 64 bits); the server checks every range it serves and answers INVALID_ARGUMENT.
@@ -112,6 +116,8 @@ def build_request(prompt: Prompt, max_tokens: int = 0, temperature: float = 0.0,
         min_tokens=min_tokens, logit_bias=dict(logit_bias or {}))
     if top_logprobs is not None:
         request.top_logprobs = top_logprobs
+    if grammar is not None:
+        request.grammar.CopyFrom(grammar_message(grammar))
     if repetition_penalty is not None:
         request.repetition_penalty = repetition_penalty
     if isinstance(prompt, str):
@@ -129,6 +135,21 @@ def build_request(prompt: Prompt, max_tokens: int = 0, temperature: float = 0.0,
     if seed is not None:
         request.seed = seed
     return request
+
+
+def grammar_message(grammar: dict[str, Any]) -> generate_pb2.Grammar:
+    """The proto Grammar of build_request's `grammar` (ValueError for another shape)."""
+    kinds = ("json_object", "json_schema", "regex", "lark", "choice")
+    if not isinstance(grammar, dict) or len(grammar) != 1 or next(iter(grammar)) not in kinds:
+        raise ValueError(f"grammar: one of {', '.join(kinds)} as the only key, got {grammar!r}")
+    (kind, value), = grammar.items()
+    if kind == "json_object":
+        return generate_pb2.Grammar(json_object=True)
+    if kind == "choice":
+        return generate_pb2.Grammar(choice=generate_pb2.Choices(choices=list(value)))
+    if kind == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value)
+    return generate_pb2.Grammar(**{kind: value})
 
 
 def to_chunk(message: generate_pb2.GenerateResponse) -> Chunk:

@@ -185,6 +185,7 @@ class GenerateRequest(_message.Message):
     MIN_P_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """One user message; the chat template is applied."""
     max_tokens: _builtins.int
@@ -235,6 +236,10 @@ class GenerateRequest(_message.Message):
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """These token ids end the answer as EOS does (finish_reason "stop")."""
 
+    @_builtins.property
+    def grammar(self) -> Global___Grammar:
+        """Structured output: the answer matches this grammar; unset: free text."""
+
     def __init__(
         self,
         *,
@@ -256,10 +261,11 @@ class GenerateRequest(_message.Message):
         min_p: _builtins.float = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         min_tokens: _builtins.int = ...,
+        grammar: Global___Grammar | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "chat", b"chat", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "text", b"text", "tokens", b"tokens", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "chat", b"chat", "grammar", b"grammar", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "text", b"text", "tokens", b"tokens", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "chat", b"chat", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "speculation", b"speculation", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "text", b"text", "tokens", b"tokens", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "chat", b"chat", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "logit_bias", b"logit_bias", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "speculation", b"speculation", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "text", b"text", "tokens", b"tokens", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
@@ -283,6 +289,71 @@ class GenerateRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_prompt) -> _WhichOneofReturnType_prompt | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class Grammar(_message.Message):
+    """What a structured answer must match. The target's logits are masked by it at every draft-tree
+    node (from the tokens on the node's path) and draft nodes it rejects are not verified, so
+    speculation stays lossless. An invalid grammar is INVALID_ARGUMENT.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    LARK_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
+    json_object: _builtins.bool
+    """Any JSON object (OpenAI's response_format json_object); the value is ignored."""
+    json_schema: _builtins.str
+    """A JSON schema, as JSON text (response_format json_schema)."""
+    regex: _builtins.str
+    """A regular expression the whole answer matches (Rust regex syntax, as llguidance reads)."""
+    lark: _builtins.str
+    """A grammar in Lark syntax (llguidance's dialect), start rule `start`."""
+    @_builtins.property
+    def choice(self) -> Global___Choices:
+        """One of these strings is the whole answer."""
+
+    def __init__(
+        self,
+        *,
+        json_object: _builtins.bool = ...,
+        json_schema: _builtins.str = ...,
+        regex: _builtins.str = ...,
+        lark: _builtins.str = ...,
+        choice: Global___Choices | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "lark", b"lark", "regex", b"regex"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "lark", b"lark", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json_object", "json_schema", "regex", "lark", "choice"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___Grammar: _TypeAlias = Grammar  # noqa: Y015
+
+@_typing.final
+class Choices(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHOICES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        choices: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Choices: _TypeAlias = Choices  # noqa: Y015
 
 @_typing.final
 class TokenLogprob(_message.Message):

@@ -414,7 +414,10 @@ JSON_VALUES = st.recursive(JSON_LEAVES, lambda children: st.one_of(
 HTTP_FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens",
                "temperature", "top_p", "top_k", "seed", "stop", "n", "ignore_eos", "stream",
                "stream_options", "user", "speculation", "logprobs", "presence_penalty", "tools",
-               "tokens", "add_special_tokens", "add_generation_prompt"]
+               "tokens", "add_special_tokens", "add_generation_prompt", "top_logprobs",
+               "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "min_p",
+               "stop_token_ids", "tool_choice", "response_format", "guided_json",
+               "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"]
 VALID_MESSAGES = [{"role": "user", "content": "hi"}]
 
 

@@ -33,7 +33,7 @@ from sssd.common.rpc import tls
 from sssd.common.rpc.api_key import ApiKey, ApiKeyInterceptor
 from sssd.common.rpc.targets import address
 from sssd.v1 import generate_pb2, generate_pb2_grpc
-from sssd.verifier.engine.request import GenerateRequest, InvalidRequest, SamplingParams
+from sssd.verifier.engine.request import GenerateRequest, Grammar, InvalidRequest, SamplingParams
 from sssd.verifier.serving.api_metrics import ApiMetrics
 from sssd.verifier.serving.backend import Backend, StreamEvent
 from sssd.verifier.serving.config import FrontendConfig
@@ -153,10 +153,23 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             tuple(prompt_ids), max_tokens, sampling, tuple(request.stop),
             speculate=mode != generate_pb2.SPECULATION_MODE_OFF,
             source=SOURCE_OF_MODE.get(mode, ""), stop_token_ids=tuple(request.stop_token_ids),
-            min_tokens=int(request.min_tokens))
+            min_tokens=int(request.min_tokens),
+            grammar=grammar_of(request.grammar) if request.HasField("grammar") else None)
 
     def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         return conversation_token_ids(self.tokenizer, messages, add_generation_prompt=True)
+
+
+def grammar_of(message: generate_pb2.Grammar) -> Grammar:
+    """The engine's Grammar of a Generate request's (InvalidRequest when it is invalid)."""
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequest("grammar: set one of json_object, json_schema, regex, lark, choice")
+    if kind == "json_object":
+        return Grammar("json_object")
+    if kind == "choice":
+        return Grammar("choice", choices=tuple(message.choice.choices))
+    return Grammar("grammar" if kind == "lark" else kind, getattr(message, kind))
 
 
 def to_response(event: StreamEvent) -> generate_pb2.GenerateResponse:

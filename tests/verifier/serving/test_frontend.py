@@ -1,6 +1,7 @@
 """The Generate API over real gRPC on 127.0.0.1: streaming, exactness, bad input, limits,
 cancellation, deadlines, health, draining and client retries."""
 
+import json
 import threading
 import time
 
@@ -89,6 +90,9 @@ def test_text_and_chat_prompts_and_stop_strings(client, target_model_fp32, mt_be
     (dict(prompt=[1] * MAX_LEN), "context window"),
     (dict(prompt="hi", stop=["x" * 300]), "stop"),
     (dict(prompt="hi", speculation="ssd"), "--speculator"),  # this server has no speculator
+    (dict(prompt="hi", grammar={"json_schema": {"type": "foo"}}), "response_format.json_schema"),
+    (dict(prompt="hi", grammar={"regex": "a(b"}), "guided_regex"),
+    (dict(prompt="hi", grammar={"choice": []}), "guided_choice"),
 ])
 def test_bad_requests_are_invalid_argument(frontend, fields, field_name):
     stub = generate_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{frontend.port}"))
@@ -99,6 +103,19 @@ def test_bad_requests_are_invalid_argument(frontend, fields, field_name):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field_name in info.value.details()
     assert frontend.backend.num_requests == 0  # nothing was admitted
+
+
+def test_a_grammar_shapes_the_answer_over_grpc(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}
+    prompt = "Name the capital of France as JSON."
+    answers = [client.generate(prompt, max_tokens=32, speculation=mode,
+                               grammar={"json_schema": schema}) for mode in ("off", "auto")]
+    assert answers[0].token_ids == answers[1].token_ids
+    assert set(json.loads(answers[0].text)) == {"city"}
+    assert answers[0].totals.finish_reason == "stop"
+    choice = client.generate(prompt, max_tokens=8, grammar={"choice": ["Paris", "Lyon"]})
+    assert choice.text in ("Paris", "Lyon")
 
 
 def test_unknown_speculation_mode_is_invalid_argument(frontend):

@@ -6,9 +6,11 @@ limit, disconnects, concurrency, health, metrics, tokenize/detokenize."""
 import asyncio
 import http.client
 import json
+import re
 import threading
 import urllib.request
 
+import jsonschema
 import openai
 import pytest
 
@@ -196,7 +198,13 @@ def test_sse_framing_and_usage_only_when_asked(frontend):
     # The default model's chat template has no tool format: refused by name.
     ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("chat", "tool_choice", "required"),
-    ("chat", "response_format", {"type": "json_object"}),
+    ("chat", "response_format", {"type": "xml"}),
+    ("chat", "response_format", {"type": "json_schema", "json_schema": {"schema": {"type": 1}}}),
+    ("chat", "guided_regex", "a(b"),
+    ("chat", "guided_choice", "yes"),
+    ("chat", "guided_json", "{not json"),
+    ("chat", "structured_outputs", {"regex": "x", "choice": ["y"]}),
+    ("completions", "guided_grammar", "root ::= ("),
     ("chat", "n", 0),
     ("chat", "n", 17),
     ("chat", "a_field_nobody_defined", 1),
@@ -596,6 +604,44 @@ def test_penalties_over_http_change_the_answer_and_not_with_speculation(sdk, mod
         extra_body={"stop_token_ids": [int(stop_id(sdk, stop_text))]})
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.usage.completion_tokens <= 4
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 30},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
+
+
+def test_structured_output_matches_and_is_the_same_with_and_without_speculation(sdk,
+                                                                               model_name):
+    messages = [{"role": "user", "content": "Here is a person: {\"name\": \"Grace Hopper\", "
+                 "\"age\": 85}. Repeat the person as JSON."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "person",
+                                                              "schema": PERSON}}
+
+    def ask(mode, stream=False):
+        options = dict(model=model_name, messages=messages, max_tokens=48, temperature=0,
+                       response_format=response_format, extra_body={"speculation": mode})
+        if not stream:
+            return sdk.chat.completions.create(**options).choices[0].message.content
+        return "".join(chunk.choices[0].delta.content or "" for chunk in
+                       sdk.chat.completions.create(stream=True, **options) if chunk.choices)
+
+    plain = ask("off")
+    assert ask("auto") == plain and ask("auto", stream=True) == plain
+    jsonschema.validate(json.loads(plain), PERSON)
+    # vLLM's names for the other kinds, on both endpoints.
+    for extra, check in (({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+                         ({"guided_regex": r"[0-9]{4}"}, lambda t: re.fullmatch(r"[0-9]{4}", t)),
+                         ({"structured_outputs": {"json_object": True}},
+                          lambda t: isinstance(json.loads(t), dict))):
+        chat = sdk.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "When was Python born?"}],
+            max_tokens=40, temperature=0, extra_body=extra).choices[0].message.content
+        assert check(chat), (extra, chat)
+    completion = sdk.completions.create(model=model_name, prompt="Is the sky blue? Answer:",
+                                        max_tokens=4, temperature=0,
+                                        extra_body={"guided_choice": [" yes", " no"]})
+    assert completion.choices[0].text in (" yes", " no")
 
 
 def stop_id(sdk, text):

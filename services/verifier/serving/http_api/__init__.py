@@ -25,7 +25,9 @@ reply's `speculation` object (verification steps, accepted draft tokens, tokens 
 Starlette on uvicorn, run on a thread of its own with its own event loop; the backend's event
 queues are read on a thread pool (one blocking read per live request, as the gRPC API does).
 
+    errors.py      ApiError: a refusal in OpenAI's error shape
     schema.py      the request fields, their validation, and the parsed request
+    structured.py  response_format and vLLM's guided_* fields as the engine's Grammar
     responses.py   whole replies, stream chunks and the server-sent event stream
     tool_calls.py  the model's tool-call format, parsed whole or while streaming
     app.py         the endpoints (`OpenAIApi`)

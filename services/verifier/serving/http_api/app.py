@@ -23,11 +23,11 @@ from sssd.verifier.engine.request import InvalidRequest
 from sssd.verifier.serving.api_metrics import CONTENT_TYPE, ApiMetrics, RequestTracker
 from sssd.verifier.serving.backend import Backend, RequestHandle, StreamEvent
 from sssd.verifier.serving.errors import ServingError
+from sssd.verifier.serving.http_api.errors import ApiError
 from sssd.verifier.serving.http_api.responses import Answer, EventStream, sse
 from sssd.verifier.serving.http_api.schema import (
     MAX_BODY_BYTES,
     STATUS_OF_KIND,
-    ApiError,
     RequestParser,
     boolean,
     chat_messages,

@@ -10,8 +10,6 @@ import math
 import os
 from dataclasses import dataclass, replace
 
-from starlette.responses import JSONResponse
-
 from sssd.common.data.corpus import conversation_token_ids
 from sssd.verifier.engine.request import (
     MAX_TOP_LOGPROBS,
@@ -20,6 +18,8 @@ from sssd.verifier.engine.request import (
     SamplingParams,
 )
 from sssd.verifier.serving.errors import ErrorKind
+from sssd.verifier.serving.http_api.errors import ApiError
+from sssd.verifier.serving.http_api.structured import structured_output
 from sssd.verifier.serving.http_api.tool_calls import forced_prefix, tool_format
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413) unread
@@ -39,17 +39,12 @@ STATUS_OF_KIND = {
     ErrorKind.STOPPED: 503,
     ErrorKind.INTERNAL: 500,
 }
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-               404: "invalid_request_error", 413: "invalid_request_error",
-               405: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
-
 # Fields OpenAI defines that this engine cannot honour: accepted only at their neutral values.
 _NONE, _FALSE, _ZERO, _ONE, _EMPTY = (None,), (None, False), (None, 0), (None, 1), (None, [], {})
 NEUTRAL_ONLY = {
     "echo": _FALSE, "best_of": _ONE,
     "suffix": (None, ""), "functions": _EMPTY, "function_call": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False), "response_format": (None, {"type": "text"}),
+    "parallel_tool_calls": (None, True, False),
     "store": _FALSE, "service_tier": (None, "auto",
                                                                             "default"),
     "modalities": (None, ["text"]), "prediction": _NONE, "audio": _NONE,
@@ -59,26 +54,11 @@ NEUTRAL_ONLY = {
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
                  "ignore_eos", "stream", "stream_options", "user", "speculation", "logprobs",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                 "min_tokens", "min_p", "stop_token_ids"}
+                 "min_tokens", "min_p", "stop_token_ids", "response_format", "guided_json",
+                 "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                                "tool_choice"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
-
-
-class ApiError(Exception):
-    """An answer other than 200, in OpenAI's error shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "error"),
-                          "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
 
 
 def is_int(value: object) -> bool:
@@ -157,26 +137,8 @@ class RequestParser:
             raise ApiError(400, f"n: an integer in [1, {MAX_CHOICES}], got {json.dumps(n)[:40]}",
                            "n")
         stream = boolean(body, "stream", False)
-        include_usage = continuous_usage = False
-        options = body.get("stream_options")
-        if options is not None:
-            if not stream:
-                raise ApiError(400, "stream_options: only allowed when stream is true",
-                               "stream_options")
-            if not isinstance(options, dict) or set(options) - {"include_usage",
-                                                                 "continuous_usage_stats"}:
-                raise ApiError(400, "stream_options: an object with include_usage",
-                               "stream_options")
-            include_usage = boolean(options, "include_usage", False, "stream_options")
-            continuous_usage = boolean(options, "continuous_usage_stats", False,
-                                     "stream_options")
-        stop = body.get("stop")
-        if stop is None:
-            stop = []
-        elif isinstance(stop, str):
-            stop = [stop]
-        elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-            raise ApiError(400, "stop: a string or a list of strings", "stop")
+        include_usage, continuous_usage = stream_options(body, stream)
+        stop = stop_strings(body)
         user = body.get("user")
         if user is not None and not isinstance(user, str):
             raise ApiError(400, "user: must be a string", "user")
@@ -190,7 +152,12 @@ class RequestParser:
         if top_k is None or top_k == -1:  # vLLM's "off"
             top_k = 0
         seed = body.get("seed")
+        grammar, grammar_field = structured_output(body)
         try:
+            if grammar is not None and tools and tool_choice not in ("none", "auto"):
+                raise ApiError(400, f"{grammar_field}: cannot be combined with tool_choice "
+                               "required or a named function (the answer is a tool call)",
+                               grammar_field)
             sampling = SamplingParams(
                 temperature=temperature, top_p=number(body, "top_p", 1.0), top_k=top_k,
                 seed=seed, presence_penalty=number(body, "presence_penalty", 0.0),
@@ -202,7 +169,8 @@ class RequestParser:
                                       speculate=speculate, source=source,
                                       ignore_eos=boolean(body, "ignore_eos", False),
                                       stop_token_ids=token_list(body, "stop_token_ids"),
-                                      min_tokens=integer(body, "min_tokens", 0))
+                                      min_tokens=integer(body, "min_tokens", 0),
+                                      grammar=grammar)
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), field_of(str(exc), "messages" if chat
                                                     else "prompt")) from None
@@ -314,6 +282,31 @@ def choice_requests(parsed: ParsedRequest) -> list[GenerateRequest]:
         seed = int.from_bytes(os.urandom(8), "little")
     return [replace(request, sampling=replace(request.sampling, seed=(seed + i) % (1 << 64)))
             for i in range(parsed.n)]
+
+
+def stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of the request's stream_options."""
+    options = body.get("stream_options")
+    if options is None:
+        return False, False
+    if not stream:
+        raise ApiError(400, "stream_options: only allowed when stream is true", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage",
+                                                         "continuous_usage_stats"}:
+        raise ApiError(400, "stream_options: an object with include_usage", "stream_options")
+    return (boolean(options, "include_usage", False, "stream_options"),
+            boolean(options, "continuous_usage_stats", False, "stream_options"))
+
+
+def stop_strings(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise ApiError(400, "stop: a string or a list of strings", "stop")
+    return stop
 
 
 def refuse_unknown(body: dict, allowed: set[str]) -> None:
