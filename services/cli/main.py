@@ -8,8 +8,10 @@
     sssd generate "prompt"          streams an answer from a running server
     sssd chat                       multi-turn chat with a running server
 
-Every Generate field has an option: --max-tokens, --temperature, --top-p, --top-k, --seed,
---stop (repeatable), --speculation auto|off|sssd|ssd. --stats prints the totals after the answer.
+Every Generate field has an option (request_flags.py): sampling (--temperature, --top-p,
+--top-k, --min-p, --seed), penalties, --logit-bias, stops, a grammar (--json, --json-schema,
+--regex, --choice, --grammar), --speculation auto|off|sssd|ssd; --logprobs N prints each
+token's log-probability after the answer and --stats the totals.
 """
 
 from __future__ import annotations
@@ -26,61 +28,20 @@ from pathlib import Path
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from sssd.cli import up
+from sssd.cli.demo_tools import DEMO_TOOLS, MAX_ROUNDS, run_tool
+from sssd.cli.request_flags import add_request_options, print_stream
 from sssd.cli.up import add_arguments, run
 from sssd.client import GenerationClient
 from sssd.common.config.flags import add_flags, from_args
 from sssd.common.config.logs import configure_logging
 from sssd.common.conversations.publisher import PublishConfig
 from sssd.common.conversations.redis_server import configured_password, use_password_file
-from sssd.common.rpc.api_key import KEY_ENV, add_api_key_flags, api_key_from_args
-from sssd.common.rpc.ports import GENERATE_PORT, busy_ports
+from sssd.common.rpc.api_key import add_api_key_flags, api_key_from_args
+from sssd.common.rpc.ports import busy_ports
 from sssd.common.rpc.tls import add_tls_flags, tls_from_args
 from sssd.verifier.engine.config import EngineConfig
 from sssd.verifier.serving.config import FrontendConfig, RayConfig
 from sssd.verifier.serving.frontend import serve
-
-DEFAULT_TARGET = f"127.0.0.1:{GENERATE_PORT}"
-
-
-def add_request_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=DEFAULT_TARGET,
-                        help=f"server (default {DEFAULT_TARGET})")
-    parser.add_argument("--max-tokens", type=int, default=0, help="0: the server default")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    parser.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
-    parser.add_argument("--top-k", type=int, default=0, help="0: off")
-    parser.add_argument("--seed", type=int, default=None,
-                        help="seeds sampling: the same seed, prompt and settings give the same "
-                        "answer (default: a random seed)")
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--speculation", default="auto", choices=("auto", "off", "sssd", "ssd"),
-                        help="auto (default): the server decides (by measured speed where it "
-                        "has several sources); off: no drafts; sssd: drafts from the SSSD "
-                        "drafter; ssd: from the speculator (servers started with --speculator)")
-    parser.add_argument("--timeout", type=float, default=None, help="deadline per call, seconds")
-    parser.add_argument("--api-key", default=None,
-                        help=f"the server's API key (default ${KEY_ENV})")
-    parser.add_argument("--stats", action="store_true", help="print the totals afterwards")
-
-
-def request_options(args: argparse.Namespace) -> dict:
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, seed=args.seed, stop=args.stop, speculation=args.speculation)
-
-
-def print_stream(client, prompt, args) -> str:
-    text, totals = "", None
-    for chunk in client.stream(prompt, **request_options(args)):
-        sys.stdout.write(chunk.text)
-        sys.stdout.flush()
-        text += chunk.text
-        totals = chunk.totals or totals
-    print()
-    if args.stats and totals is not None:
-        print(f"[{totals.completion_tokens} tokens, {totals.finish_reason}; first token after "
-              f"{totals.time_to_first_token_s:.2f} s, {totals.tokens_per_second:.1f} tokens/s, "
-              f"{totals.mean_accepted_length:.2f} tokens per step]", file=sys.stderr)
-    return text
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -91,7 +52,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("chat: an empty line or Ctrl-D ends it", file=sys.stderr)
+    tools = DEMO_TOOLS if args.demo_tools else None
+    print("chat: an empty line or Ctrl-D ends it"
+          + (f"; tools: {', '.join(t['function']['name'] for t in DEMO_TOOLS)}" if tools else ""),
+          file=sys.stderr)
     with GenerationClient(args.target, timeout_s=args.timeout, api_key=args.api_key) as client:
         while True:
             try:
@@ -101,8 +65,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if not line.strip():
                 return 0
             messages.append({"role": "user", "content": line})
-            answer = print_stream(client, messages, args)
-            messages.append({"role": "assistant", "content": answer})
+            for _ in range(MAX_ROUNDS):  # the model calls tools until it answers in words
+                answer, calls = print_stream(client, messages, args, tools)
+                messages.append({"role": "assistant", "content": answer,
+                                 "tool_calls": [call.message() for call in calls]})
+                if not calls:
+                    break
+                for call in calls:
+                    result = run_tool(call.name, call.arguments)
+                    print(f"[{call.name}({call.arguments}) -> {result}]", file=sys.stderr)
+                    messages.append({"role": "tool", "tool_call_id": call.id,
+                                     "content": result})
 
 
 # `sssd serve` takes every Generate API, engine and Ray setting as a flag, or as the environment
@@ -184,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_request_options(gen)
     chat = commands.add_parser("chat", help="multi-turn chat")
     chat.add_argument("--system", default=None, help="system message")
+    chat.add_argument("--demo-tools", action="store_true",
+                      help="offer the model two tools run here (calculate, utc_time) and run "
+                      "the tool loop: the model's calls are executed and their results sent "
+                      "back until it answers (a model whose chat template has tool calls, e.g. "
+                      "qwen-coder-0.5b)")
     add_request_options(chat)
     add_serve_arguments(commands.add_parser(
         "serve", help="run the generation API (single process, or --ray)"))

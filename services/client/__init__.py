@@ -20,7 +20,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -37,6 +37,31 @@ SPECULATION = {"auto": generate_pb2.SPECULATION_MODE_AUTO,
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
 
 
+class TokenLogprob(NamedTuple):
+    """An emitted token's log-probability under the target model, and its top alternatives
+    (most likely first; as many as the request's top_logprobs), with their texts."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+    token: str = ""
+    top_tokens: tuple[str, ...] = ()
+
+
+class ToolCall(NamedTuple):
+    """A call the model made (GenerateResponse.tool_calls): `arguments` is a JSON object's
+    text, as OpenAI's API carries it."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def message(self) -> dict:
+        """The call as an assistant message's `tool_calls` entry (OpenAI's shape)."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
 @dataclass(frozen=True)
 class Chunk:
     """One streamed message: a text delta, its token ids and the step's statistics."""
@@ -48,9 +73,8 @@ class Chunk:
     draft_ms: float | None
     verify_ms: float | None
     totals: Totals | None  # only on the last chunk
-    # [len(token_ids)] (token id, logprob, ((top id, top logprob), ...)) with top_logprobs set
-    logprobs: list[tuple[int, float, tuple[tuple[int, float], ...]]] = field(
-        default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, if asked
+    tool_calls: list[ToolCall] = field(default_factory=list)  # on the last chunk, with tools
 
 
 @dataclass
@@ -58,11 +82,12 @@ class Result:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     totals: Totals | None = None
-    logprobs: list[tuple[int, float, tuple[tuple[int, float], ...]]] = field(
-        default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     def add(self, chunk: Chunk) -> None:
         self.text += chunk.text
+        self.tool_calls += chunk.tool_calls
         self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs
         self.totals = chunk.totals or self.totals
@@ -88,12 +113,16 @@ def build_request(prompt: Prompt, max_tokens: int = 0, temperature: float = 0.0,
                   frequency_penalty: float = 0.0, repetition_penalty: float | None = None,
                   logit_bias: dict[int, float] | None = None, min_p: float = 0.0,
                   stop_token_ids: Sequence[int] = (), min_tokens: int = 0,
-                  grammar: dict[str, Any] | None = None) -> generate_pb2.GenerateRequest:
-    """A text prompt, chat messages ({"role", "content"} dicts) or token ids. The fields are
+                  grammar: dict[str, Any] | None = None, tools: Sequence[dict] = (),
+                  tool_choice: str | dict = "") -> generate_pb2.GenerateRequest:
+    """A text prompt, chat messages ({"role", "content"} dicts, in OpenAI's shape: an
+    assistant's `tool_calls`, a "tool" message's `tool_call_id`) or token ids. The fields are
     the proto's (proto/sssd/v1/generate.proto); `top_logprobs` set asks for each token's
     log-probability and that many alternatives; `grammar` is one of {"json_object": True},
     {"json_schema": a schema (dict or JSON text)}, {"regex": ...}, {"lark": ...} or
-    {"choice": [strings]}.
+    {"choice": [strings]}; `tools` are OpenAI's ({"type": "function", "function": {"name",
+    "description", "parameters"}}) and `tool_choice` "auto", "none", "required", a tool's
+    name or OpenAI's {"type": "function", "function": {"name": ...}}.
 
     Raises ValueError naming the field for what the message cannot carry (a negative count, a
     seed beyond 64 bits); the server checks every range it serves and answers INVALID_ARGUMENT.
@@ -120,12 +149,14 @@ def build_request(prompt: Prompt, max_tokens: int = 0, temperature: float = 0.0,
         request.grammar.CopyFrom(grammar_message(grammar))
     if repetition_penalty is not None:
         request.repetition_penalty = repetition_penalty
+    request.tools.extend(tool_message(tool) for tool in tools)
+    if isinstance(tool_choice, dict):
+        tool_choice = tool_choice.get("function", {}).get("name", "")
+    request.tool_choice = tool_choice
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt and all(isinstance(item, dict) for item in prompt):
-        request.chat.messages.extend(generate_pb2.ChatMessage(role=m["role"],
-                                                              content=m["content"])
-                                     for m in prompt)
+        request.chat.messages.extend(chat_message(m) for m in prompt)
     elif all(isinstance(item, int) for item in prompt):
         request.tokens.token_ids.extend(prompt)
     else:
@@ -135,6 +166,23 @@ def build_request(prompt: Prompt, max_tokens: int = 0, temperature: float = 0.0,
     if seed is not None:
         request.seed = seed
     return request
+
+
+def tool_message(tool: dict) -> generate_pb2.Tool:
+    """The proto Tool of an OpenAI tool (or of its bare "function" object)."""
+    function = tool.get("function", tool)
+    return generate_pb2.Tool(name=function["name"], description=function.get("description", ""),
+                             parameters_json=json.dumps(function.get("parameters", {})))
+
+
+def chat_message(message: dict) -> generate_pb2.ChatMessage:
+    """The proto ChatMessage of an OpenAI chat message (text content)."""
+    calls = [generate_pb2.ToolCall(id=call.get("id", ""), name=call["function"]["name"],
+                                   arguments_json=call["function"]["arguments"])
+             for call in message.get("tool_calls") or ()]
+    return generate_pb2.ChatMessage(role=message["role"], content=message.get("content") or "",
+                                    tool_calls=calls,
+                                    tool_call_id=message.get("tool_call_id", ""))
 
 
 def grammar_message(grammar: dict[str, Any]) -> generate_pb2.Grammar:
@@ -160,12 +208,12 @@ def to_chunk(message: generate_pb2.GenerateResponse) -> Chunk:
         totals = Totals(t.prompt_tokens, t.completion_tokens, t.time_to_first_token_s,
                         t.total_s, t.tokens_per_second, t.mean_accepted_length, t.finish_reason,
                         t.cached_tokens)
-    logprobs = [(e.token_id, e.logprob, tuple(zip(e.top_token_ids, e.top_logprobs)))
-                for e in message.logprobs]
+    logprobs = [TokenLogprob(e.token_id, e.logprob, tuple(zip(e.top_token_ids, e.top_logprobs)),
+                             e.token, tuple(e.top_tokens)) for e in message.logprobs]
     return Chunk(message.text, list(message.token_ids),
                  step.accepted_tokens if step else None, step.budget if step else None,
                  step.draft_ms if step else None, step.verify_ms if step else None, totals,
-                 logprobs)
+                 logprobs, [ToolCall(c.id, c.name, c.arguments_json) for c in message.tool_calls])
 
 
 def retry_delay(err: grpc.RpcError, received: bool, delays: Iterator[float]) -> float | None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sssd/v1/generate.proto\x12\x07sssd.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"4\n\nChatPrompt\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.sssd.v1.ChatMessage\" \n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x8d\x05\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x13.sssd.v1.ChatPromptH\x00\x12&\n\x06tokens\x18\x03 \x01(\x0b\x32\x14.sssd.v1.TokenPromptH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\r\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12-\n\x0bspeculation\x18\n \x01(\x0e\x32\x18.sssd.v1.SpeculationMode\x12\x19\n\x0ctop_logprobs\x18\x0b \x01(\rH\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x04\x88\x01\x01\x12;\n\nlogit_bias\x18\x0f \x03(\x0b\x32\'.sssd.v1.GenerateRequest.LogitBiasEntry\x12\r\n\x05min_p\x18\x10 \x01(\x02\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\x05\x12\x12\n\nmin_tokens\x18\x12 \x01(\r\x12!\n\x07grammar\x18\x13 \x01(\x0b\x32\x10.sssd.v1.Grammar\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06promptB\x08\n\x06_top_pB\x07\n\x05_seedB\x0f\n\r_top_logprobsB\x15\n\x13_repetition_penalty\"\x84\x01\n\x07Grammar\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x04 \x01(\tH\x00\x12\"\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x10.sssd.v1.ChoicesH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"Y\n\tStepStats\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x01 \x01(\r\x12\x0e\n\x06\x62udget\x18\x02 \x01(\r\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x02\x12\x11\n\tverify_ms\x18\x04 \x01(\x02\"\xd9\x01\n\x0eGenerateTotals\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x03 \x01(\x01\x12\x0f\n\x07total_s\x18\x04 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\"\xa7\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12 \n\x04step\x18\x03 \x01(\x0b\x32\x12.sssd.v1.StepStats\x12\'\n\x06totals\x18\x04 \x01(\x0b\x32\x17.sssd.v1.GenerateTotals\x12\'\n\x08logprobs\x18\x05 \x03(\x0b\x32\x15.sssd.v1.TokenLogprob*{\n\x0fSpeculationMode\x12\x19\n\x15SPECULATION_MODE_AUTO\x10\x00\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x01\x12\x19\n\x15SPECULATION_MODE_SSSD\x10\x02\x12\x18\n\x14SPECULATION_MODE_SSD\x10\x03\x32O\n\nGeneration\x12\x41\n\x08Generate\x12\x18.sssd.v1.GenerateRequest\x1a\x19.sssd.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sssd/v1/generate.proto\x12\x07sssd.v1\"i\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12%\n\ntool_calls\x18\x03 \x03(\x0b\x32\x11.sssd.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"4\n\nChatPrompt\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.sssd.v1.ChatMessage\" \n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xc0\x05\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x13.sssd.v1.ChatPromptH\x00\x12&\n\x06tokens\x18\x03 \x01(\x0b\x32\x14.sssd.v1.TokenPromptH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\r\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12-\n\x0bspeculation\x18\n \x01(\x0e\x32\x18.sssd.v1.SpeculationMode\x12\x19\n\x0ctop_logprobs\x18\x0b \x01(\rH\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x04\x88\x01\x01\x12;\n\nlogit_bias\x18\x0f \x03(\x0b\x32\'.sssd.v1.GenerateRequest.LogitBiasEntry\x12\r\n\x05min_p\x18\x10 \x01(\x02\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\x05\x12\x12\n\nmin_tokens\x18\x12 \x01(\r\x12!\n\x07grammar\x18\x13 \x01(\x0b\x32\x10.sssd.v1.Grammar\x12\x1c\n\x05tools\x18\x14 \x03(\x0b\x32\r.sssd.v1.Tool\x12\x13\n\x0btool_choice\x18\x15 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06promptB\x08\n\x06_top_pB\x07\n\x05_seedB\x0f\n\r_top_logprobsB\x15\n\x13_repetition_penalty\"\x84\x01\n\x07Grammar\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x04 \x01(\tH\x00\x12\"\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x10.sssd.v1.ChoicesH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x81\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\r\n\x05token\x18\x05 \x01(\t\x12\x12\n\ntop_tokens\x18\x06 \x03(\t\"Y\n\tStepStats\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x01 \x01(\r\x12\x0e\n\x06\x62udget\x18\x02 \x01(\r\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x02\x12\x11\n\tverify_ms\x18\x04 \x01(\x02\"\xd9\x01\n\x0eGenerateTotals\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x03 \x01(\x01\x12\x0f\n\x07total_s\x18\x04 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\"\xce\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12 \n\x04step\x18\x03 \x01(\x0b\x32\x12.sssd.v1.StepStats\x12\'\n\x06totals\x18\x04 \x01(\x0b\x32\x17.sssd.v1.GenerateTotals\x12\'\n\x08logprobs\x18\x05 \x03(\x0b\x32\x15.sssd.v1.TokenLogprob\x12%\n\ntool_calls\x18\x06 \x03(\x0b\x32\x11.sssd.v1.ToolCall*{\n\x0fSpeculationMode\x12\x19\n\x15SPECULATION_MODE_AUTO\x10\x00\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x01\x12\x19\n\x15SPECULATION_MODE_SSSD\x10\x02\x12\x18\n\x14SPECULATION_MODE_SSD\x10\x03\x32O\n\nGeneration\x12\x41\n\x08Generate\x12\x18.sssd.v1.GenerateRequest\x1a\x19.sssd.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_SPECULATIONMODE']._serialized_start=1565
-  _globals['_SPECULATIONMODE']._serialized_end=1688
+  _globals['_SPECULATIONMODE']._serialized_start=1882
+  _globals['_SPECULATIONMODE']._serialized_end=2005
   _globals['_CHATMESSAGE']._serialized_start=35
-  _globals['_CHATMESSAGE']._serialized_end=79
-  _globals['_CHATPROMPT']._serialized_start=81
-  _globals['_CHATPROMPT']._serialized_end=133
-  _globals['_TOKENPROMPT']._serialized_start=135
-  _globals['_TOKENPROMPT']._serialized_end=167
-  _globals['_GENERATEREQUEST']._serialized_start=170
-  _globals['_GENERATEREQUEST']._serialized_end=823
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=706
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=754
-  _globals['_GRAMMAR']._serialized_start=826
-  _globals['_GRAMMAR']._serialized_end=958
-  _globals['_CHOICES']._serialized_start=960
-  _globals['_CHOICES']._serialized_end=986
-  _globals['_TOKENLOGPROB']._serialized_start=988
-  _globals['_TOKENLOGPROB']._serialized_end=1082
-  _globals['_STEPSTATS']._serialized_start=1084
-  _globals['_STEPSTATS']._serialized_end=1173
-  _globals['_GENERATETOTALS']._serialized_start=1176
-  _globals['_GENERATETOTALS']._serialized_end=1393
-  _globals['_GENERATERESPONSE']._serialized_start=1396
-  _globals['_GENERATERESPONSE']._serialized_end=1563
-  _globals['_GENERATION']._serialized_start=1690
-  _globals['_GENERATION']._serialized_end=1769
+  _globals['_CHATMESSAGE']._serialized_end=140
+  _globals['_TOOL']._serialized_start=142
+  _globals['_TOOL']._serialized_end=208
+  _globals['_TOOLCALL']._serialized_start=210
+  _globals['_TOOLCALL']._serialized_end=270
+  _globals['_CHATPROMPT']._serialized_start=272
+  _globals['_CHATPROMPT']._serialized_end=324
+  _globals['_TOKENPROMPT']._serialized_start=326
+  _globals['_TOKENPROMPT']._serialized_end=358
+  _globals['_GENERATEREQUEST']._serialized_start=361
+  _globals['_GENERATEREQUEST']._serialized_end=1065
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=948
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=996
+  _globals['_GRAMMAR']._serialized_start=1068
+  _globals['_GRAMMAR']._serialized_end=1200
+  _globals['_CHOICES']._serialized_start=1202
+  _globals['_CHOICES']._serialized_end=1228
+  _globals['_TOKENLOGPROB']._serialized_start=1231
+  _globals['_TOKENLOGPROB']._serialized_end=1360
+  _globals['_STEPSTATS']._serialized_start=1362
+  _globals['_STEPSTATS']._serialized_end=1451
+  _globals['_GENERATETOTALS']._serialized_start=1454
+  _globals['_GENERATETOTALS']._serialized_end=1671
+  _globals['_GENERATERESPONSE']._serialized_start=1674
+  _globals['_GENERATERESPONSE']._serialized_end=1880
+  _globals['_GENERATION']._serialized_start=2007
+  _globals['_GENERATION']._serialized_end=2086
 # @@protoc_insertion_point(module_scope)

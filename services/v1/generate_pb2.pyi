@@ -75,27 +75,97 @@ Global___SpeculationMode: _TypeAlias = SpeculationMode  # noqa: Y015
 
 @_typing.final
 class ChatMessage(_message.Message):
-    """One chat turn. role is "system", "user" or "assistant"; anything else is INVALID_ARGUMENT."""
+    """One chat turn. role is "system", "user", "assistant" or "tool"; anything else is
+    INVALID_ARGUMENT.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     content: _builtins.str
+    tool_call_id: _builtins.str
+    """A "tool" turn's: the id of the call whose result `content` is."""
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """An assistant turn's calls (as a GenerateResponse returned them), to continue the
+        conversation after a tool loop.
+        """
+
     def __init__(
         self,
         *,
         role: _builtins.str = ...,
         content: _builtins.str = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        tool_call_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class Tool(_message.Message):
+    """A function the model may call (OpenAI's tools[].function)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    PARAMETERS_JSON_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    description: _builtins.str
+    parameters_json: _builtins.str
+    """Its parameters as a JSON schema, as JSON text; empty: none."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        parameters_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "parameters_json", b"parameters_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tool: _TypeAlias = Tool  # noqa: Y015
+
+@_typing.final
+class ToolCall(_message.Message):
+    """A call the model made: the answer's <tool_call> blocks in the model's format, parsed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_JSON_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    name: _builtins.str
+    arguments_json: _builtins.str
+    """The arguments as a JSON object, as JSON text."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments_json", b"arguments_json", "id", b"id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
 
 @_typing.final
 class ChatPrompt(_message.Message):
@@ -186,6 +256,8 @@ class GenerateRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     MIN_TOKENS_FIELD_NUMBER: _builtins.int
     GRAMMAR_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    TOOL_CHOICE_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """One user message; the chat template is applied."""
     max_tokens: _builtins.int
@@ -218,6 +290,10 @@ class GenerateRequest(_message.Message):
     """Drops tokens whose probability is below min_p times the most likely one's; 0 = off."""
     min_tokens: _builtins.int
     """EOS and stop_token_ids cannot end the answer before it holds this many tokens."""
+    tool_choice: _builtins.str
+    """"auto" (empty: the same), "none", "required", or the name of one of the tools, which the
+    answer then calls (OpenAI's tool_choice).
+    """
     @_builtins.property
     def chat(self) -> Global___ChatPrompt: ...
     @_builtins.property
@@ -239,6 +315,13 @@ class GenerateRequest(_message.Message):
     @_builtins.property
     def grammar(self) -> Global___Grammar:
         """Structured output: the answer matches this grammar; unset: free text."""
+
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tool]:
+        """Tools for a chat prompt (at most 128), rendered by the model's chat template; the model's
+        calls come back in GenerateResponse.tool_calls, not in the text. INVALID_ARGUMENT where the
+        model's template has no tool-call format the server parses.
+        """
 
     def __init__(
         self,
@@ -262,10 +345,12 @@ class GenerateRequest(_message.Message):
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         min_tokens: _builtins.int = ...,
         grammar: Global___Grammar | None = ...,
+        tools: _abc.Iterable[Global___Tool] | None = ...,
+        tool_choice: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "chat", b"chat", "grammar", b"grammar", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "text", b"text", "tokens", b"tokens", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "chat", b"chat", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "logit_bias", b"logit_bias", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "speculation", b"speculation", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "text", b"text", "tokens", b"tokens", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "chat", b"chat", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "logit_bias", b"logit_bias", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "speculation", b"speculation", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "text", b"text", "tokens", b"tokens", "tool_choice", b"tool_choice", "tools", b"tools", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
@@ -365,14 +450,22 @@ class TokenLogprob(_message.Message):
     LOGPROB_FIELD_NUMBER: _builtins.int
     TOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    TOP_TOKENS_FIELD_NUMBER: _builtins.int
     token_id: _builtins.int
     logprob: _builtins.float
+    token: _builtins.str
+    """The tokens' texts as the tokenizer decodes each alone (special tokens too), so a client
+    without the tokenizer can show them.
+    """
     @_builtins.property
     def top_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Most likely first; as many as the request's top_logprobs."""
 
     @_builtins.property
     def top_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def top_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -380,10 +473,12 @@ class TokenLogprob(_message.Message):
         logprob: _builtins.float = ...,
         top_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        token: _builtins.str = ...,
+        top_tokens: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token", b"token", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids", "top_tokens", b"top_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -447,7 +542,9 @@ class GenerateTotals(_message.Message):
     mean_accepted_length: _builtins.float
     """Tokens emitted per verification step (accepted + 1), averaged over the request's steps."""
     finish_reason: _builtins.str
-    """"stop" (EOS or a stop string) or "length" (max_tokens or the context window)."""
+    """"stop" (EOS or a stop string), "length" (max_tokens or the context window) or
+    "tool_calls" (the answer called tools).
+    """
     cached_tokens: _builtins.int
     """Leading prompt tokens whose keys and values came from the prefix cache."""
     def __init__(
@@ -479,6 +576,7 @@ class GenerateResponse(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     TOTALS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """New text since the previous message (may be empty while a multi-byte character or a
     possible stop string is incomplete). Concatenated, the deltas are the answer.
@@ -499,6 +597,12 @@ class GenerateResponse(_message.Message):
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
         """One per token id above, when the request set top_logprobs."""
 
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """With tools: the calls the answer made, in the last message (its totals' finish_reason is
+        then "tool_calls"); the text deltas carry only the answer's text outside them.
+        """
+
     def __init__(
         self,
         *,
@@ -507,10 +611,11 @@ class GenerateResponse(_message.Message):
         step: Global___StepStats | None = ...,
         totals: Global___GenerateTotals | None = ...,
         logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["step", b"step", "totals", b"totals"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "step", b"step", "text", b"text", "token_ids", b"token_ids", "totals", b"totals"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "step", b"step", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "totals", b"totals"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -10,12 +10,13 @@ expired deadline frees the sequence at once.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,11 +40,17 @@ from sssd.verifier.serving.backend import Backend, StreamEvent
 from sssd.verifier.serving.config import FrontendConfig
 from sssd.verifier.serving.errors import ErrorKind, ServingError
 from sssd.verifier.serving.http_api import HttpServer, OpenAIApi
+from sssd.verifier.serving.http_api.errors import ApiError
+from sssd.verifier.serving.http_api.schema import RequestParser, chat_messages
+from sssd.verifier.serving.http_api.tool_calls import (
+    ToolCallParser,
+    forced_call_grammar,
+    forced_prefix,
+)
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-CHAT_ROLES = ("system", "user", "assistant")
 # The API's speculation mode -> the engine's drafting source ("" = the server's choice).
 SOURCE_OF_MODE = {generate_pb2.SPECULATION_MODE_AUTO: "",
                   generate_pb2.SPECULATION_MODE_SSSD: "sssd",
@@ -65,6 +72,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.metrics = metrics  # shared with the HTTP API: its GET /metrics covers both
         self.backend: Backend | None = None  # set once the model is loaded
         self.tokenizer = None
+        self._token_texts: dict[int, str] = {}
 
     def attach(self, backend: Backend, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -76,7 +84,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if backend is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         try:
-            handle = backend.submit(self.parse(request))
+            engine_request, tool_parser = self.parse(request)
+            handle = backend.submit(engine_request)
         except InvalidRequest as exc:
             context.abort(STATUS_OF_KIND[ErrorKind.INVALID_ARGUMENT], str(exc))
         except ServingError as exc:
@@ -97,37 +106,45 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 tracker.event(event)
                 if event.error is not None:
                     context.abort(STATUS_OF_KIND[event.error.kind], event.error.message)
-                yield to_response(event)
+                response = to_response(event, self.token_text)
+                if tool_parser is not None:
+                    with_tool_calls(response, tool_parser, event.totals is not None)
+                yield response
                 if event.totals is not None:
                     return
         finally:
             tracker.end("abort")  # a no-op once it ended
             backend.cancel(handle.request_id)  # a no-op once the request finished
 
-    def parse(self, request: generate_pb2.GenerateRequest) -> GenerateRequest:
-        """The request in engine terms, or InvalidRequest naming the field and its range.
-        The model's limits (vocabulary, context window) are the backend's to check."""
+    def token_text(self, token_id: int) -> str:
+        """A token's text decoded alone (special tokens too), as logprobs report it."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def parse(self, request: generate_pb2.GenerateRequest
+              ) -> tuple[GenerateRequest, ToolCallParser | None]:
+        """The request in engine terms and, where it offers tools, the parser of the answer's
+        calls; InvalidRequest naming the field and its range. The model's limits (vocabulary,
+        context window) are the backend's to check."""
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise InvalidRequest("prompt: set one of text, chat or tokens")
+        tools, choice = self.tools(request, kind)
+        prefix = forced_prefix(choice) if tools else ""
         if kind == "text":
             if not request.text.strip():
                 raise InvalidRequest("prompt.text: must not be empty")
-            prompt_ids = self._chat_ids([{"role": "user", "content": request.text}])
+            prompt_ids = self.chat_ids([{"role": "user", "content": request.text}], tools)
         elif kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            if not any(m["content"].strip() for m in messages):
-                raise InvalidRequest("prompt.chat.messages: need at least one non-empty message")
-            for index, message in enumerate(messages):
-                if message["role"] not in CHAT_ROLES:
-                    raise InvalidRequest(f"prompt.chat.messages[{index}].role: "
-                                         f"{message['role']!r} is not one of "
-                                         f"{', '.join(CHAT_ROLES)}")
-            prompt_ids = self._chat_ids(messages)
+            prompt_ids = self.chat_ids(chat_of(request.chat.messages), tools)
         else:
             prompt_ids = list(request.tokens.token_ids)
             if not prompt_ids:
                 raise InvalidRequest("prompt.tokens.token_ids: must not be empty")
+        if prefix:  # the answer starts inside the call the choice forces
+            prompt_ids += list(self.tokenizer.encode(prefix, add_special_tokens=False))
         limit = self.config.max_tokens_limit
         if limit is None:  # what the backend's context window holds beside the prompt
             window = self.backend.limits.context_window if self.backend is not None else 0
@@ -149,15 +166,87 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         mode = request.speculation
         if mode != generate_pb2.SPECULATION_MODE_OFF and mode not in SOURCE_OF_MODE:
             raise InvalidRequest(f"speculation: unknown mode {mode}")
-        return GenerateRequest(
+        if request.HasField("grammar") and tools and choice not in ("none", "auto"):
+            raise InvalidRequest("grammar: cannot be combined with tool_choice required or a "
+                                 "named function (the answer is a tool call)")
+        engine_request = GenerateRequest(
             tuple(prompt_ids), max_tokens, sampling, tuple(request.stop),
             speculate=mode != generate_pb2.SPECULATION_MODE_OFF,
             source=SOURCE_OF_MODE.get(mode, ""), stop_token_ids=tuple(request.stop_token_ids),
             min_tokens=int(request.min_tokens),
-            grammar=grammar_of(request.grammar) if request.HasField("grammar") else None)
+            grammar=forced_call_grammar(tools or [], choice) or (
+                grammar_of(request.grammar) if request.HasField("grammar") else None))
+        if not tools:
+            return engine_request, None
+        return engine_request, ToolCallParser(prefix, tuple(t.name for t in request.tools))
 
-    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return conversation_token_ids(self.tokenizer, messages, add_generation_prompt=True)
+    def tools(self, request: generate_pb2.GenerateRequest, kind: str
+              ) -> tuple[list[dict] | None, object]:
+        """The request's tools in OpenAI's shape, for the chat template (None: none, or
+        tool_choice "none"), and its tool_choice as the HTTP API takes it."""
+        choice: object = request.tool_choice or "auto"
+        if not request.tools:
+            if choice not in ("none", "auto"):
+                raise InvalidRequest("tool_choice: needs tools")
+            return None, "none"
+        if kind == "tokens":
+            raise InvalidRequest("tools: need a text or chat prompt (the chat template renders "
+                                 "them; token ids are sent as they are)")
+        tools = []
+        for index, tool in enumerate(request.tools):
+            if not tool.name:
+                raise InvalidRequest(f"tools[{index}].name: required")
+            try:
+                parameters = json.loads(tool.parameters_json) if tool.parameters_json else {}
+            except ValueError:
+                parameters = None
+            if not isinstance(parameters, dict):
+                raise InvalidRequest(f"tools[{index}].parameters_json: a JSON schema (an "
+                                     "object) as JSON text")
+            tools.append({"type": "function", "function": {
+                "name": tool.name, "description": tool.description, "parameters": parameters}})
+        names = [tool.name for tool in request.tools]
+        if choice not in ("none", "auto", "required"):
+            if choice not in names:
+                raise InvalidRequest(f"tool_choice: none, auto, required or one of the tools' "
+                                     f"names, got {choice!r}")
+            choice = {"type": "function", "function": {"name": choice}}
+        parser = RequestParser(served_model_name(self.config), self.tokenizer, 1, 1)
+        try:
+            tools, choice = parser.tools({"tools": tools, "tool_choice": choice})
+        except ApiError as exc:
+            raise InvalidRequest(exc.message) from None
+        return (tools if choice != "none" else None), choice
+
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        try:
+            return conversation_token_ids(self.tokenizer, messages, add_generation_prompt=True,
+                                          tools=tools)
+        except Exception as exc:  # the template refuses this conversation (e.g. role order)
+            raise InvalidRequest(f"prompt.chat.messages: the model's chat template refused "
+                                 f"them ({exc})") from None
+
+
+def chat_of(messages) -> list[dict]:
+    """ChatMessages as the chat template takes them, checked as the HTTP API checks its
+    messages (InvalidRequest naming the message and field)."""
+    converted = []
+    for index, message in enumerate(messages):
+        entry: dict = {"role": message.role, "content": message.content}
+        if message.tool_calls:
+            entry["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.name, "arguments": call.arguments_json or "{}"}}
+                for call in message.tool_calls]
+        if message.tool_call_id or message.role == "tool":
+            if not message.tool_call_id:
+                raise InvalidRequest(f"prompt.chat.messages[{index}].tool_call_id: required (the "
+                                     "id of the call this answers)")
+            entry["tool_call_id"] = message.tool_call_id
+        converted.append(entry)
+    try:
+        return chat_messages(converted)
+    except ApiError as exc:
+        raise InvalidRequest("prompt.chat." + exc.message) from None
 
 
 def grammar_of(message: generate_pb2.Grammar) -> Grammar:
@@ -172,12 +261,29 @@ def grammar_of(message: generate_pb2.Grammar) -> Grammar:
     return Grammar("grammar" if kind == "lark" else kind, getattr(message, kind))
 
 
-def to_response(event: StreamEvent) -> generate_pb2.GenerateResponse:
+def with_tool_calls(response: generate_pb2.GenerateResponse, parser: ToolCallParser,
+                    final: bool) -> None:
+    """The response's text without the answer's tool-call blocks (held back until a block is
+    known to be one); the last response carries the parsed calls."""
+    deltas = parser.feed(response.text, final)
+    response.text = "".join(delta.get("content", "") for delta in deltas)
+    if final and parser.calls:
+        response.tool_calls.extend(generate_pb2.ToolCall(id=call.id, name=call.name,
+                                                         arguments_json=call.arguments)
+                                   for call in parser.calls)
+        if response.totals.finish_reason == "stop":
+            response.totals.finish_reason = "tool_calls"
+
+
+def to_response(event: StreamEvent, token_text: Callable[[int], str]
+                ) -> generate_pb2.GenerateResponse:
     response = generate_pb2.GenerateResponse(text=event.text, token_ids=event.token_ids)
     for entry in event.logprobs or ():
         response.logprobs.add(token_id=entry.token_id, logprob=entry.logprob,
                               top_token_ids=[t for t, _ in entry.top],
-                              top_logprobs=[lp for _, lp in entry.top])
+                              top_logprobs=[lp for _, lp in entry.top],
+                              token=token_text(entry.token_id),
+                              top_tokens=[token_text(t) for t, _ in entry.top])
     if event.step is not None:
         response.step.CopyFrom(generate_pb2.StepStats(
             accepted_tokens=event.step.accepted_tokens, budget=event.step.budget,

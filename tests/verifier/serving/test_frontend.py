@@ -212,3 +212,61 @@ def test_health_loading_serving_and_drain(target_model_fp32, warm_datastore, mt_
         stopper.join(30)
     finally:
         frontend.stop(0)
+
+
+def test_logprobs_over_grpc_carry_token_texts_and_match_without_speculation(
+        client, target_model_fp32, mt_bench_prompts):
+    answers = [client.generate(mt_bench_prompts[1], max_tokens=16, top_logprobs=3,
+                               speculation=mode) for mode in ("off", "auto")]
+    assert answers[0].token_ids == answers[1].token_ids
+    tokenizer = target_model_fp32.tokenizer
+    for off, auto in zip(answers[0].logprobs, answers[1].logprobs, strict=True):
+        assert off.token_id == auto.token_id and off.logprob == pytest.approx(auto.logprob,
+                                                                              abs=1e-4)
+        assert [t for t, _ in off.top] == [t for t, _ in auto.top] and len(off.top) == 3
+        assert off.token == tokenizer.decode([off.token_id])
+        assert list(off.top_tokens) == [tokenizer.decode([t]) for t, _ in off.top]
+    assert [e.token_id for e in answers[0].logprobs] == answers[0].token_ids
+
+
+def test_cli_generate_takes_every_request_option(frontend, capsys):
+    from sssd.cli.main import main
+
+    target = f"127.0.0.1:{frontend.port}"
+    code = main(["generate", "Describe Paris as a JSON object.", "--target", target,
+                 "--max-tokens", "40", "--json", "--logprobs", "2", "--presence-penalty", "0.5",
+                 "--logit-bias", "1=-5", "--min-tokens", "2", "--stats"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    answer = out.strip()
+    table = [line for line in err.splitlines() if line.startswith(("'", '"'))]
+    stats = next(line for line in err.splitlines()  # --stats: "[N tokens, reason; ..."
+                 if line.startswith("[") and " tokens, " in line)
+    reported = int(stats[1:].split()[0])
+    assert len(table) == reported and reported >= 2
+    if "length" not in stats:  # a whole answer is one JSON object (--json)
+        assert isinstance(json.loads(answer), dict)
+    assert answer.startswith("{")
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--logit-bias", "12"], "--logit-bias: TOKEN_ID=BIAS"),
+    (["--json-schema", "no/such/schema.json"], "--json-schema"),
+    (["--json-schema", "{not json"], "--json-schema: not JSON"),
+    (["--logprobs", "21"], "top_logprobs"),  # the server's range, answered INVALID_ARGUMENT
+])
+def test_cli_refuses_a_bad_option_in_one_line(frontend, capsys, options, message):
+    from sssd.cli.main import main
+
+    code = main(["generate", "hi", "--target", f"127.0.0.1:{frontend.port}", *options])
+    err = capsys.readouterr().err
+    assert code in (1, 2) and message in err and "Traceback" not in err
+
+
+def test_tools_on_a_model_without_a_tool_format_are_refused(frontend):
+    stub = generate_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{frontend.port}"))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(build_request("hi", tools=[tool]), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tools: the chat template" in info.value.details()

@@ -20,7 +20,11 @@ from sssd.verifier.engine.request import (
 from sssd.verifier.serving.errors import ErrorKind
 from sssd.verifier.serving.http_api.errors import ApiError
 from sssd.verifier.serving.http_api.structured import structured_output
-from sssd.verifier.serving.http_api.tool_calls import forced_prefix, tool_format
+from sssd.verifier.serving.http_api.tool_calls import (
+    forced_call_grammar,
+    forced_prefix,
+    tool_format,
+)
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413) unread
 MAX_MESSAGES = 1024
@@ -158,6 +162,8 @@ class RequestParser:
                 raise ApiError(400, f"{grammar_field}: cannot be combined with tool_choice "
                                "required or a named function (the answer is a tool call)",
                                grammar_field)
+            if tools:
+                grammar = forced_call_grammar(tools, tool_choice) or grammar
             sampling = SamplingParams(
                 temperature=temperature, top_p=number(body, "top_p", 1.0), top_k=top_k,
                 seed=seed, presence_penalty=number(body, "presence_penalty", 0.0),

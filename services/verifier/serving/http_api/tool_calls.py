@@ -9,11 +9,13 @@ inside <tools></tools> in the system prompt) and whose models answer
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-one block per call, after optional text. The smaller Qwen2.5-Coder models often drop the tags
-and answer with the bare object; an answer that is nothing but such an object naming one of the
-request's tools is taken as that call too (streamed, an answer that opens with "{" is held back
-until it ends, to tell). A template without the format has no tool parser here, and `tools` on
-such a model is refused by name (no guessing from another family's markers).
+one block per call, after optional text. For tool_choice "required" or a named function
+the prompt ends with the opening tag and a grammar holds the call to the tools' schemas.
+The smaller Qwen2.5-Coder models often drop the tags and answer with the bare object; an
+answer that is nothing but such an object naming one of the request's tools is taken as that
+call too (streamed, an answer that opens with "{" is held back until it ends, to tell). A
+template without the format has no tool parser here, and `tools` on such a model is refused
+by name (no guessing from another family's markers).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+
+from sssd.verifier.engine.errors import InvalidRequest
+from sssd.verifier.engine.grammar import FIELDS, Grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -34,15 +39,44 @@ def tool_format(tokenizer) -> str | None:
 
 
 def forced_prefix(tool_choice: object) -> str:
-    """Text the answer starts with, put at the end of the prompt: a call must follow for
-    "required", a call of this function for {"type": "function", "function": {"name": ...}}.
-    The parser reads the answer as if the model had written the prefix."""
+    """Text the answer starts with, put at the end of the prompt, for tool_choice "required" or
+    a named function: the call's opening tag; the parser reads the answer as if the model had
+    written it. The call itself is held to `forced_call_schema` by a grammar."""
+    return OPEN + "\n" if tool_choice == "required" or isinstance(tool_choice, dict) else ""
+
+
+def forced_call_schema(tools: list[dict], tool_choice: object) -> dict | None:
+    """The JSON schema a forced call matches: {"name": one of the tools (the named one),
+    "arguments": that tool's parameters}, as vLLM holds required and named calls to their
+    tools' schemas by guided decoding; None for "auto" and "none". A small model left free
+    after the tag names functions that do not exist."""
     if tool_choice == "required":
-        return OPEN + '\n{"name": "'
-    if isinstance(tool_choice, dict):
-        name = tool_choice["function"]["name"]
-        return OPEN + '\n{"name": ' + json.dumps(name) + ', "arguments": '
-    return ""
+        chosen = [tool["function"] for tool in tools]
+    elif isinstance(tool_choice, dict):
+        chosen = [tool["function"] for tool in tools
+                  if tool["function"]["name"] == tool_choice["function"]["name"]]
+    else:
+        return None
+    options = [{"type": "object", "properties": {
+        "name": {"const": function["name"]},
+        "arguments": function.get("parameters") or {"type": "object"}},
+        "required": ["name", "arguments"], "additionalProperties": False}
+        for function in chosen]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def forced_call_grammar(tools: list[dict], tool_choice: object) -> Grammar | None:
+    """The grammar of `forced_call_schema`; InvalidRequest naming `tools` where a tool's
+    parameters are a schema the grammar engine refuses."""
+    schema = forced_call_schema(tools, tool_choice)
+    if schema is None:
+        return None
+    try:
+        return Grammar("json_schema", json.dumps(schema))
+    except InvalidRequest as exc:
+        detail = str(exc).removeprefix(FIELDS["json_schema"] + ": ")
+        raise InvalidRequest(f"tools: the parameters are not a JSON schema this server can "
+                             f"hold a call to ({detail})") from None
 
 
 @dataclass
