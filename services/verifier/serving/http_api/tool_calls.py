@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 
 from sssd.verifier.engine.errors import InvalidRequest
@@ -90,6 +91,25 @@ class ToolCall:
                 "function": {"name": self.name, "arguments": self.arguments}}
 
 
+# A block's call in its canonical order, up to where its arguments object opens: while
+# streaming, the name is sent as soon as this much is seen, then the arguments as they come.
+HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
+# What may still close the block: the arguments' and the call's braces (held back until more
+# text shows they were the arguments' own).
+_CLOSING = re.compile(r'(?:\s*\}){0,2}\s*$')
+
+
+def _raw_arguments(body: str) -> str | None:
+    """The arguments object's own text in a canonical call (`HEADER`, then the object, then
+    the call's closing brace), or None. The arguments are sent as the model wrote them, so a
+    streamed call's fragments add up to the arguments of the same answer parsed whole."""
+    match = HEADER.match(body)
+    if match is None:
+        return None
+    rest = body[match.end():].rstrip()
+    return rest[:-1].rstrip() if rest.endswith("}") else None
+
+
 def _parse_call(body: str) -> ToolCall | None:
     """A call from the JSON between the tags, or None when it is not one."""
     try:
@@ -106,8 +126,21 @@ def _parse_call(body: str) -> ToolCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False),
-                    "call_" + os.urandom(12).hex())
+    raw = _raw_arguments(body)
+    text = raw if raw is not None and _loads(raw) == arguments else json.dumps(
+        arguments, ensure_ascii=False)
+    return ToolCall(value["name"], text, _call_id())
+
+
+def _loads(text: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _call_id() -> str:
+    return "call_" + os.urandom(12).hex()
 
 
 def _partial_tag(text: str, tag: str) -> int:
@@ -118,10 +151,22 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
+@dataclass
+class _OpenCall:
+    """A block whose call is being streamed: its name is sent; its arguments start at `start`
+    of the pending text, of which `sent` characters are sent."""
+
+    call: ToolCall
+    start: int
+    sent: int = 0
+
+
 class ToolCallParser:
     """One answer's tool calls. `parse_whole` for a whole answer; `feed` for a stream, which
     returns the chat `delta`s to send: content outside the blocks, and for each call a delta
-    with its index, id and name, then one with its arguments (OpenAI's order)."""
+    with its index, id and name, then its arguments in fragments as the model writes them
+    (OpenAI's order). A block not in the canonical order ({"name", "arguments"}) is sent whole
+    once it closes."""
 
     def __init__(self, prefix: str = "", names: tuple[str, ...] = ()) -> None:
         """`prefix`: the answer's forced start (forced_prefix); `names`: the request's tools,
@@ -130,6 +175,7 @@ class ToolCallParser:
         self.calls: list[ToolCall] = []
         self._pending = prefix  # text not yet sent
         self._inside = False
+        self._open: _OpenCall | None = None
         self._sent_content = False
 
     def _bare_call(self, text: str) -> ToolCall | None:
@@ -167,6 +213,11 @@ class ToolCallParser:
         joined = "".join(content).strip() if calls else "".join(content)
         return (joined or None) if calls else joined, calls
 
+    def _content(self, deltas: list[dict], text: str) -> None:
+        if text and not (self.calls and not text.strip()):
+            deltas.append({"content": text})
+            self._sent_content = True
+
     def feed(self, text: str, final: bool) -> list[dict]:
         self._pending += text
         deltas: list[dict] = []
@@ -186,31 +237,56 @@ class ToolCallParser:
                     keep = 0 if final else _partial_tag(self._pending, OPEN)
                     head = self._pending[: len(self._pending) - keep]
                     self._pending = self._pending[len(head):]
-                    if head and not (self.calls and not head.strip()):
-                        deltas.append({"content": head})
-                        self._sent_content = True
+                    self._content(deltas, head)
                     return deltas
-                head = self._pending[:start]
-                if head and not (self.calls and not head.strip()):
-                    deltas.append({"content": head})
-                    self._sent_content = True
+                self._content(deltas, self._pending[:start])
                 self._pending = self._pending[start:]
                 self._inside = True
             end = self._pending.find(CLOSE)
+            if self._open is None:
+                match = HEADER.match(self._pending, len(OPEN))
+                name = _loads(match.group(1)) if match else None
+                if isinstance(name, str):
+                    self._open = _OpenCall(ToolCall(name, "", _call_id()), match.end())
+                    deltas.append(self._call_deltas(len(self.calls), self._open.call)[0])
+            if self._open is not None:
+                deltas += self._stream_arguments(end, final)
             if end < 0 and not final:
                 return deltas
             block = self._pending[: end + len(CLOSE)] if end >= 0 else self._pending
             self._pending = self._pending[len(block):]
             self._inside = False
-            body = block[len(OPEN): len(block) - len(CLOSE) if end >= 0 else len(block)]
-            call = _parse_call(body.strip())
-            if call is None:
-                deltas.append({"content": block})
+            if self._open is not None:  # announced: a call, whatever its arguments turn out
+                self.calls.append(self._open.call)
+                self._open = None
             else:
-                self.calls.append(call)
-                deltas += self._call_deltas(len(self.calls) - 1, call)
+                body = block[len(OPEN): len(block) - len(CLOSE) if end >= 0 else len(block)]
+                call = _parse_call(body.strip())
+                if call is None:
+                    deltas.append({"content": block})
+                else:
+                    self.calls.append(call)
+                    deltas += self._call_deltas(len(self.calls) - 1, call)
             if final and not self._pending:
                 return deltas
+
+    def _stream_arguments(self, end: int, final: bool) -> list[dict]:
+        """The open call's arguments not yet sent: all of them once its block ends (`end`: the
+        close tag's position, or -1), else up to what may still be the closing braces."""
+        call, region = self._open.call, self._pending[self._open.start: end if end >= 0
+                                                     else len(self._pending)]
+        if end >= 0 or final:
+            region = region.rstrip()
+            ready = region[:-1].rstrip() if region.endswith("}") else region
+            call.arguments = ready
+        else:
+            region = region[: len(region) - _partial_tag(region, CLOSE)]
+            ready = region[: _CLOSING.search(region).start()]
+        piece = ready[self._open.sent:]
+        self._open.sent = max(self._open.sent, len(ready))
+        if not piece:
+            return []
+        return [{"tool_calls": [{"index": len(self.calls), "function": {"arguments": piece}}]}]
 
     @staticmethod
     def _call_deltas(index: int, call: ToolCall) -> list[dict]:
