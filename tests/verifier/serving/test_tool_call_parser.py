@@ -72,3 +72,12 @@ def test_a_forced_call_without_its_closing_tag_is_a_call():
     answer = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
     _, content, calls = streamed(parser, answer, random.Random(0))
     assert calls == [("get_weather", '{"city": "Oslo"}')] and content == ""
+
+
+def test_a_call_cut_off_streams_as_far_as_it_got_and_is_not_a_call():
+    parser = ToolCallParser()
+    cut = WRITE[: WRITE.index("return")]  # max_tokens ends the answer inside the arguments
+    _, content, calls = streamed(parser, cut, random.Random(0))
+    assert calls and calls[0][0] == "write_file" and content == ""
+    assert parser.calls == []  # the response's calls hold only whole ones
+    assert ToolCallParser().parse_whole(cut) == (cut, [])

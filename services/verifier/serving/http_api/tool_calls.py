@@ -256,8 +256,13 @@ class ToolCallParser:
             block = self._pending[: end + len(CLOSE)] if end >= 0 else self._pending
             self._pending = self._pending[len(block):]
             self._inside = False
-            if self._open is not None:  # announced: a call, whatever its arguments turn out
-                self.calls.append(self._open.call)
+            if self._open is not None:
+                # Announced; a call only if its arguments are an object. One cut off by
+                # max_tokens streamed as far as it got, as OpenAI's and vLLM's streams do, and
+                # the answer's calls (the whole response, gRPC's) leave it out, as a whole
+                # answer's parse does.
+                if isinstance(_loads(self._open.call.arguments), dict):
+                    self.calls.append(self._open.call)
                 self._open = None
             else:
                 body = block[len(OPEN): len(block) - len(CLOSE) if end >= 0 else len(block)]
