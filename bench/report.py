@@ -320,6 +320,26 @@ HEADLINE_HEADER = ["model", "workload", "ours, speculation off", "ours, SSSD",
                    "vLLM (CPU)", "vLLM ngram", "vLLM suffix", "machine, results"]
 
 
+def agent_rows(source: Source) -> list[list[str]]:
+    """bench/agent.py's summary lines: one row per speculation mode."""
+    out = []
+    for r in (r for r in source.rows() if r["kind"] == "summary"):
+        speedup = (f"{r['median_speedup']:.2f}x / {r['session_speedup']:.2f}x"
+                   if "median_speedup" in r else "")
+        out.append([source.model or r.get("model", ""), r["mode"],
+                    f"{r['sessions']} / {r['turns']}", str(r["max_prompt_tokens"]),
+                    f"{r['cached_fraction']:.0%}", f"{r['median_ttft_s']:.2f}",
+                    _n(r["median_tok_s"]), _n(r["session_tok_s"]),
+                    _n(r.get("median_tokens_per_step"), 2), speedup,
+                    {True: "yes", False: "NO"}.get(r.get("same_as_off"), ""), source.where])
+    return out
+
+
+AGENT_HEADER = ["model", "speculation", "sessions / calls", "max context", "prompt cached",
+                "TTFT s", "tok/s per call", "tok/s overall", "tokens/step",
+                "speedup per call / overall", "same as off", "machine, results"]
+
+
 @dataclass(frozen=True)
 class Claim:
     key: str
@@ -356,6 +376,13 @@ CLAIMS = (
           "by turn, whole-file code edits with speculation (the engine's measured budget "
           "policy; vLLM's `ngram` with k = 8), 64 streams at once.",
           LONG_CONTEXT_HEADER, long_context_rows),
+    Claim("agent", "Agentic tool-calling sessions",
+          "`bench/agent.py`: multi-turn tool-calling sessions through the `openai` SDK "
+          "(`tool_choice: required`, strict schemas, an `answer` tool; tool results fed back, "
+          "the model's own answers replayed), two `sssd serve` processes with prefix caching, "
+          "speculation auto against off, greedy, bfloat16; medians per model call, and overall "
+          "tokens over seconds.",
+          AGENT_HEADER, agent_rows),
     Claim("gpu", "On a GPU", "`bench/e2e.py --device cuda` on a lent GPU, as the CPU table.",
           SPECULATION_HEADER, speculation_rows),
 )
