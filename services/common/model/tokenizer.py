@@ -33,6 +33,21 @@ logger = logging.getLogger(__name__)
 # Written last into a cache entry, so a half-written entry is never loaded.
 
 
+class TokenTexts:
+    """Each token's text decoded alone (special tokens too), as log-probabilities report it;
+    cached per token id, since every answer asks for its tokens and their alternatives again."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
 def tokenizer_cache_dir(files: ModelFiles) -> Path:
     """Where the converted tokenizer of a GGUF model is (or will be) cached."""
     return cache_dir() / "tokenizers" / file_sha256(files.gguf_path)

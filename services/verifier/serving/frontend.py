@@ -29,7 +29,7 @@ from sssd.common.data.corpus import conversation_token_ids
 from sssd.common.model.files import resolve_model
 from sssd.common.model.loader import load_causal_lm
 from sssd.common.model.threads import off_main_thread
-from sssd.common.model.tokenizer import load_tokenizer
+from sssd.common.model.tokenizer import TokenTexts, load_tokenizer
 from sssd.common.rpc import tls
 from sssd.common.rpc.api_key import ApiKey, ApiKeyInterceptor
 from sssd.common.rpc.targets import address
@@ -44,7 +44,7 @@ from sssd.verifier.serving.http_api.errors import ApiError
 from sssd.verifier.serving.http_api.schema import RequestParser, chat_messages
 from sssd.verifier.serving.http_api.tool_calls import (
     ToolCallParser,
-    forced_call_grammar,
+    answer_grammar,
     forced_prefix,
 )
 
@@ -72,10 +72,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.metrics = metrics  # shared with the HTTP API: its GET /metrics covers both
         self.backend: Backend | None = None  # set once the model is loaded
         self.tokenizer = None
-        self._token_texts: dict[int, str] = {}
+        self.token_text: TokenTexts | None = None  # with the tokenizer
 
     def attach(self, backend: Backend, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.token_text = TokenTexts(tokenizer)
         self.backend = backend
 
     def Generate(self, request: generate_pb2.GenerateRequest,
@@ -115,13 +116,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         finally:
             tracker.end("abort")  # a no-op once it ended
             backend.cancel(handle.request_id)  # a no-op once the request finished
-
-    def token_text(self, token_id: int) -> str:
-        """A token's text decoded alone (special tokens too), as logprobs report it."""
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
-        return text
 
     def parse(self, request: generate_pb2.GenerateRequest
               ) -> tuple[GenerateRequest, ToolCallParser | None]:
@@ -166,16 +160,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         mode = request.speculation
         if mode != generate_pb2.SPECULATION_MODE_OFF and mode not in SOURCE_OF_MODE:
             raise InvalidRequest(f"speculation: unknown mode {mode}")
-        if request.HasField("grammar") and tools and choice not in ("none", "auto"):
-            raise InvalidRequest("grammar: cannot be combined with tool_choice required or a "
-                                 "named function (the answer is a tool call)")
         engine_request = GenerateRequest(
             tuple(prompt_ids), max_tokens, sampling, tuple(request.stop),
             speculate=mode != generate_pb2.SPECULATION_MODE_OFF,
             source=SOURCE_OF_MODE.get(mode, ""), stop_token_ids=tuple(request.stop_token_ids),
             min_tokens=int(request.min_tokens),
-            grammar=forced_call_grammar(tools or [], choice) or (
-                grammar_of(request.grammar) if request.HasField("grammar") else None))
+            grammar=answer_grammar(tools, choice, grammar_of(request.grammar)
+                                   if request.HasField("grammar") else None, "grammar"))
         if not tools:
             return engine_request, None
         return engine_request, ToolCallParser(prefix, tuple(t.name for t in request.tools))

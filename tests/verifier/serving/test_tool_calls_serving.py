@@ -146,6 +146,9 @@ def test_tool_choice_required_and_named_force_a_call(sdk, frontend):
     # A schema no call can be held to, where the call is forced.
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
         "type": "nonsense"}}}], tool_choice="required"), "tools"),
+    # A forced call has its own grammar: another one beside it is refused.
+    (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
+     "response_format"),
 ])
 def test_bad_tool_fields_are_400_naming_the_field(sdk, frontend, options, field):
     with pytest.raises(openai.BadRequestError) as caught:
@@ -195,6 +198,8 @@ def test_a_tool_conversation_over_grpc_equals_the_http_one(grpc_client, sdk, fro
 
 @pytest.mark.parametrize("fields, details", [
     (dict(tool_choice="nope"), "tool_choice"),
+    (dict(tool_choice="get_weather", grammar={"json_object": True}),
+     "grammar: cannot be combined"),
     (dict(tool_choice="required", tools=[]), "tool_choice: needs tools"),
     (dict(tools=[{"name": "f", "parameters": "x"}]), "tools[0].parameters_json"),
     (dict(prompt=[1, 2, 3]), "tools: need a text or chat prompt"),

@@ -18,6 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from sssd.common.model.tokenizer import TokenTexts
 from sssd.common.rpc.api_key import ApiKey
 from sssd.verifier.engine.request import InvalidRequest
 from sssd.verifier.serving.api_metrics import CONTENT_TYPE, ApiMetrics, RequestTracker
@@ -52,7 +53,7 @@ class OpenAIApi:
         self.model_name = model_name
         self.api_key = ApiKey(api_key) if api_key else None
         self.open_paths = ("/health", "/metrics") if open_health else ()
-        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
+        self.token_text: TokenTexts | None = None  # with the tokenizer, once attached
         self.max_model_len = 0  # the backend's context window, once attached
         self.max_tokens_limit = max_tokens_limit  # None: what the window holds
         self.default_max_tokens = default_max_tokens
@@ -80,6 +81,7 @@ class OpenAIApi:
         limit = self.max_tokens_limit or max(1, self.max_model_len - 1)
         self.parser = RequestParser(self.model_name, tokenizer, limit,
                                     min(self.default_max_tokens, limit))
+        self.token_text = TokenTexts(tokenizer)
         self.backend = backend
         self.metrics.gauges = backend.engine_gauges
         self.state = "serving"
@@ -175,7 +177,7 @@ class OpenAIApi:
         tools = (lambda: ToolCallParser(parsed.tool_prefix, parsed.tool_names)) \
             if parsed.parses_tools else None
         answer = Answer(chat, self.model_name, parsed, handles[0].num_prompt_tokens,
-                        self._token_text, tools)
+                        self.token_text, tools)
         end = lambda: self._end(handles, trackers)  # noqa: E731 - run on every way out
         if parsed.stream:
             return EventStream(self._stream(handles, answer, trackers), on_close=end)
@@ -237,14 +239,6 @@ class OpenAIApi:
         finally:
             for task in pumps:
                 task.cancel()
-
-    def _token_text(self, token_id: int) -> str:
-        """A token's text as the logprobs report it (special tokens too)."""
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self.parser.tokenizer.decode([token_id])
-            self._token_texts[token_id] = text
-        return text
 
     async def _events(self, handle: RequestHandle) -> AsyncIterator[StreamEvent]:
         """The request's events until its last one."""

@@ -21,7 +21,7 @@ from sssd.verifier.serving.errors import ErrorKind
 from sssd.verifier.serving.http_api.errors import ApiError
 from sssd.verifier.serving.http_api.structured import structured_output
 from sssd.verifier.serving.http_api.tool_calls import (
-    forced_call_grammar,
+    answer_grammar,
     forced_prefix,
     tool_format,
 )
@@ -158,12 +158,7 @@ class RequestParser:
         seed = body.get("seed")
         grammar, grammar_field = structured_output(body)
         try:
-            if grammar is not None and tools and tool_choice not in ("none", "auto"):
-                raise ApiError(400, f"{grammar_field}: cannot be combined with tool_choice "
-                               "required or a named function (the answer is a tool call)",
-                               grammar_field)
-            if tools:
-                grammar = forced_call_grammar(tools, tool_choice) or grammar
+            grammar = answer_grammar(tools, tool_choice, grammar, grammar_field)
             sampling = SamplingParams(
                 temperature=temperature, top_p=number(body, "top_p", 1.0), top_k=top_k,
                 seed=seed, presence_penalty=number(body, "presence_penalty", 0.0),

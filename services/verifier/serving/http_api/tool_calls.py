@@ -66,12 +66,18 @@ def forced_call_schema(tools: list[dict], tool_choice: object) -> dict | None:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def forced_call_grammar(tools: list[dict], tool_choice: object) -> Grammar | None:
-    """The grammar of `forced_call_schema`; InvalidRequest naming `tools` where a tool's
-    parameters are a schema the grammar engine refuses."""
-    schema = forced_call_schema(tools, tool_choice)
+def answer_grammar(tools: list[dict] | None, tool_choice: object, grammar: Grammar | None,
+                   grammar_field: str) -> Grammar | None:
+    """The grammar an answer is held to: for tool_choice "required" or a named function, the
+    grammar of `forced_call_schema` (the request's own grammar, given in `grammar_field`, is
+    then refused); else the request's. InvalidRequest naming the field: a grammar beside a
+    forced call, or tools whose parameters are a schema the grammar engine refuses."""
+    schema = forced_call_schema(tools, tool_choice) if tools else None
     if schema is None:
-        return None
+        return grammar
+    if grammar is not None:
+        raise InvalidRequest(f"{grammar_field}: cannot be combined with tool_choice required or "
+                             "a named function (the answer is a tool call)")
     try:
         return Grammar("json_schema", json.dumps(schema))
     except InvalidRequest as exc:
