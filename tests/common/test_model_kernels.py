@@ -155,20 +155,44 @@ def test_attention_matches_the_float64_reference(path, dtype, shape, num_seqs, n
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", [(9, 3, 64), (12, 2, 128)], ids=["smollm2", "qwen2.5-1.5b"])
-def test_a_querys_result_depends_neither_on_its_neighbours_nor_on_the_blocks(path, dtype, shape):
+@pytest.mark.parametrize("capacity", [160, 1400], ids=["short", "long"])
+def test_attention_over_contexts_of_many_segments_matches_the_float64_reference(
+        path, dtype, shape, capacity):
+    """Contexts long enough that the AVX-512 attention cuts a query's keys into segments and
+    merges their partial results (short ones: a single segment)."""
+    skip_unless_it_applies(path, dtype)
+    heads, kv_heads, head_dim = shape
+    for num_seqs, num_nodes in ((1, 1), (1, 33), (2, 7)):
+        generator = torch.Generator().manual_seed(capacity + num_nodes)
+        q, keys, values, cache_lens, bits = random_case(
+            generator, dtype, heads, kv_heads, head_dim, num_seqs, num_nodes, capacity)
+        scale = head_dim ** -0.5
+        out = run_attention(q, Paged(keys, values, 16, generator), cache_lens, bits, scale)
+        expected = reference_attention(q, keys, values, cache_lens, bits, scale)
+        assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (12, 2, 128)], ids=["smollm2", "qwen2.5-1.5b"])
+@pytest.mark.parametrize("length,cache_len,others", [(208, 150, (3, 166, 90)),
+                                                     (1104, 566, (3, 1030, 290))],
+                         ids=["one-segment", "segments"])
+def test_a_querys_result_depends_neither_on_its_neighbours_nor_on_the_blocks(
+        path, dtype, shape, length, cache_len, others):
     """The root of a tree gives bit-identical outputs alone, under any tree, padded, beside
     other rows, and whether its keys lie in one block or in blocks of 16 or 48 positions
     scattered over the cache: what makes speculative decoding token-identical to plain decoding
-    in bf16, with the cache paged."""
+    in bf16, with the cache paged. With 566 cached keys the AVX-512 attention cuts a query's
+    keys into segments, and a chain of 33 nodes crosses where its queries' segments change
+    (the root's last segment starts at 256, node 32's at 512); alone, the row's segments are
+    shared out among the threads, beside three other rows they are not."""
     skip_unless_it_applies(path, dtype)
     generator = torch.Generator().manual_seed(7)
     heads, kv_heads, head_dim = shape
-    length = 208
     keys = torch.randn(4, kv_heads, length, head_dim, generator=generator).to(dtype)
     values = torch.randn(4, kv_heads, length, head_dim, generator=generator).to(dtype)
     q = torch.randn(4, 33, heads, head_dim, generator=generator).to(dtype)
     one_block = Paged(keys, values, length, generator, spare_blocks=0)
-    cache_len = 150
     alone = run_attention(q[:1, :1].contiguous(), one_block, [cache_len], [[1]], 0.125)
     chain = tree_bits(list(range(-1, 32)), 33)
     bushy = tree_bits([-1] + [0] * 16, 33)  # 17 real nodes, 16 of padding
@@ -180,14 +204,16 @@ def test_a_querys_result_depends_neither_on_its_neighbours_nor_on_the_blocks(pat
             out = run_attention(q[:1].contiguous(), cache, [cache_len], [bits], 0.125)
             assert torch.equal(out[0, 0], alone[0, 0])
         # Batched: row 0 beside three others of other lengths.
-        out = run_attention(q.contiguous(), cache, [cache_len, 3, 166, 90],
+        out = run_attention(q.contiguous(), cache, [cache_len, *others],
                             [chain, bushy, chain, bushy], 0.125)
         assert torch.equal(out[0, 0], alone[0, 0])
-    # A chain's node 5 sees exactly what node 0 of a one-node step at cache_len + 5 sees,
-    # once the keys of nodes 0-4 are in the cache at those positions.
+    # A chain's node 5 (and 32) sees exactly what node 0 of a one-node step at cache_len + 5
+    # (+ 32) sees, once the keys of the nodes before it are in the cache at those positions.
     out = run_attention(q[:1].contiguous(), one_block, [cache_len], [chain], 0.125)
-    later = run_attention(q[:1, 5:6].contiguous(), one_block, [cache_len + 5], [[1]], 0.125)
-    assert torch.equal(out[0, 5], later[0, 0])
+    for node in (5, 32):
+        later = run_attention(q[:1, node:node + 1].contiguous(), one_block, [cache_len + node],
+                              [[1]], 0.125)
+        assert torch.equal(out[0, node], later[0, 0]), node
     # A bushy tree's node 9 sees the root and itself, 9 positions apart: the same as a one-node
     # step right after the root, its own key and value moved next to the root's.
     out = run_attention(q[:1].contiguous(), one_block, [cache_len], [bushy], 0.125)
@@ -200,14 +226,48 @@ def test_a_querys_result_depends_neither_on_its_neighbours_nor_on_the_blocks(pat
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_prompt_as_rows_of_chains_gives_each_position_what_decoding_gives_it(path, dtype):
+@pytest.mark.parametrize("cache_len", [40, 250, 500, 760])
+def test_a_tree_node_sees_what_decoding_its_path_alone_sees(path, dtype, cache_len):
+    """Each node of a tree gives the same bits as a one-node step after its ancestors alone,
+    their keys and values moved next to the cache: what speculation's exactness rests on. The
+    tree is a root with 16 children, then a chain of 16 under the last child, so a deep node's
+    ancestors lie in the step with gaps between them; at 250, 500 and 760 cached keys its
+    visible keys reach past a multiple of 256 (where the AVX-512 attention's segments of a
+    query with fewer keys would end)."""
+    skip_unless_it_applies(path, dtype)
+    generator = torch.Generator().manual_seed(cache_len)
+    heads, kv_heads, head_dim = 9, 3, 64
+    parents = [-1] + [0] * 16 + list(range(16, 32))
+    bits = tree_bits(parents, len(parents))
+    length = -(-(cache_len + len(parents)) // 16) * 16
+    keys = torch.randn(1, kv_heads, length, head_dim, generator=generator).to(dtype)
+    values = torch.randn(1, kv_heads, length, head_dim, generator=generator).to(dtype)
+    q = torch.randn(1, len(parents), heads, head_dim, generator=generator).to(dtype)
+    out = run_attention(q, Paged(keys, values, 16, generator), [cache_len], [bits], 0.125)
+    for node in (9, 16, 20, 32):
+        path_nodes = [a for a in range(len(parents)) if bits[node] >> a & 1]
+        moved_keys, moved_values = keys.clone(), values.clone()
+        for depth, a in enumerate(path_nodes):
+            moved_keys[0, :, cache_len + depth] = keys[0, :, cache_len + a]
+            moved_values[0, :, cache_len + depth] = values[0, :, cache_len + a]
+        alone = run_attention(q[:, node:node + 1].contiguous(),
+                              Paged(moved_keys, moved_values, 16, generator),
+                              [cache_len + len(path_nodes) - 1], [[1]], 0.125)
+        assert torch.equal(out[0, node], alone[0, 0]), node
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("length", [150, 700])
+def test_a_prompt_as_rows_of_chains_gives_each_position_what_decoding_gives_it(
+        path, dtype, length):
     """A prompt is prefilled as chains of up to 64 tokens a row, each row after the ones before
     it, in one call, however it is cut into chunks; every position comes out the same bits as a
     one-node step at that position: a position's keys and values are the same whether it was
-    prefilled (whole or in chunks) or decoded, which makes the prefix cache exact."""
+    prefilled (whole or in chunks) or decoded, which makes the prefix cache exact. At 700
+    positions the AVX-512 attention's segments change inside some rows."""
     skip_unless_it_applies(path, dtype)
     generator = torch.Generator().manual_seed(11)
-    heads, kv_heads, head_dim, length = 9, 3, 64, 150
+    heads, kv_heads, head_dim = 9, 3, 64
     # blocks for the last row's padding nodes past the prompt too
     keys = torch.randn(1, kv_heads, length + 64, head_dim, generator=generator).to(dtype)
     values = torch.randn(1, kv_heads, length + 64, head_dim, generator=generator).to(dtype)

@@ -1,7 +1,8 @@
-// Tree attention with AVX2 and FMA for one (row, key head) pair of a step, for CPUs without
+// Tree attention with AVX2 and FMA over one segment of a (row, key head)'s keys (attention.cc
+// cuts a query's keys into segments and merges their partial results), for CPUs without
 // AVX-512 (AMD's Zen 2 and Zen 3, Intel's client cores): the group's queries of every node
-// against the row's cached keys and the step's own nodes. Same three passes as the AVX-512 one
-// (tree_attention_avx512.cc), tiled for 16 registers of 8 lanes:
+// against the segment's cached keys and, in a query's last segment, the step's own nodes. Same
+// three passes as the AVX-512 one (tree_attention_avx512.cc), tiled for 16 registers of 8 lanes:
 // 1. scores: the keys of the (row, head) widened and transposed once into blocks [head_dim][8],
 //    so a tile of queries x 2 blocks multiplies one query element, broadcast, by the same element
 //    of 8 keys: each score a chain of fused multiply-adds over the head's dimensions in order,
@@ -10,14 +11,14 @@
 //    (exp_nonpositive of numbers.h, eight lanes at a time);
 // 3. values: a tile of queries x 32 dimensions accumulates weight * value over the positions in
 //    order (a key not seen weighs exactly 0 and adds nothing), the sum of the weights beside it
-//    in the same order, and divides at the end.
+//    in the same order.
 // A query's result depends only on the keys it sees, not on the tree, the padding, the batch or
 // the tiles it fell in: so plain decoding and the verification of a draft tree compute a token
 // identically on this path too. The order within a dot product is not the AVX-512 or the
 // portable one's, so the three paths may differ in the last bits; a CPU uses one throughout.
 //
 // The keys and values are read through the cache's block table (kv_layout.h): keys into the
-// transposed blocks, values widened (or, in float32, copied) into one array per (row, head), in
+// transposed blocks, values widened (or, in float32, copied) into one array per segment, in
 // position order. The speed against the portable loop it replaces: bench/results/
 // 2026-11-29-zen3-avx2-attention.
 //
@@ -181,22 +182,27 @@ void transpose_keys(const PagedHead& head, int64_t length, int64_t blocks, float
 template <typename T, int64_t HD>
 const float* widen_values(const PagedHead& head, int64_t length, std::vector<float>& out) {
   out.resize(length * HD);
-  for (int64_t start = 0; start < length; start += head.block_size) {
+  for (int64_t start = 0; start < length;) {
     const T* run = head.value<T>(start);
-    const int64_t elements = std::min(head.block_size, length - start) * HD;
+    const int64_t positions = std::min(head.run_from(start), length - start);
     float* target = out.data() + start * HD;
-    for (int64_t e = 0; e < elements; e += 8) _mm256_storeu_ps(target + e, load8<T>(run + e));
+    for (int64_t e = 0; e < positions * HD; e += 8) {
+      _mm256_storeu_ps(target + e, load8<T>(run + e));
+    }
+    start += positions;
   }
   return out.data();
 }
 
 template <typename T, int64_t HD>
-void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
+void segment_partials(const AttentionProblem& problem, int64_t s, int64_t g, int64_t first,
+                      int64_t end, float* partials) {
+  constexpr int64_t kWidth = kPartialHeader + HD;
   thread_local Scratch scratch;
   const int64_t group = problem.group(), num_nodes = problem.num_nodes;
   const int64_t count = group * num_nodes;  // queries, node-major: i = j * group + k
   const int64_t cached = problem.cache_lens[s];
-  const int64_t length = cached + num_nodes;  // keys: the cache, then the step's nodes
+  const int64_t length = end - first;
   const int64_t blocks = (length + 7) / 8;
   const int64_t stride = blocks * 8;
   scratch.queries.resize(count * HD);
@@ -213,7 +219,7 @@ void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
       for (int64_t d = 0; d < HD; d += 8) _mm256_storeu_ps(target + d, load8<T>(source + d));
     }
   }
-  const PagedHead head = paged_head(problem, s, g, length, scratch.key_blocks,
+  const PagedHead head = paged_head(problem, s, g, first, end, scratch.key_blocks,
                                     scratch.value_blocks);
 
   // 1. Scores: the keys transposed into blocks of 8 (zeros past the last), then the tiles.
@@ -224,21 +230,23 @@ void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
   for (int64_t i = 0; i < count; ++i) {
     float* row = scores + i * stride;
     const int64_t j = i / group;
-    for (int64_t t = 0; t < num_nodes; ++t) {
-      if (!problem.visible(s, j, cached + t)) row[cached + t] = -INFINITY;
+    for (int64_t t = std::max<int64_t>(0, first - cached); cached + t < end; ++t) {
+      if (!problem.visible(s, j, cached + t)) row[cached + t - first] = -INFINITY;
     }
     for (int64_t p = length; p < stride; ++p) row[p] = -INFINITY;
     __m256 top = _mm256_set1_ps(-INFINITY);
     for (int64_t p = 0; p < stride; p += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(row + p));
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, top);
-    const __m256 maximum = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
+    const float maximum = *std::max_element(lanes, lanes + 8);
+    partials[i * kWidth] = maximum;
+    const __m256 broadcast = _mm256_set1_ps(maximum);
     for (int64_t p = 0; p < stride; p += 8) {
-      _mm256_storeu_ps(row + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + p), maximum)));
+      _mm256_storeu_ps(row + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + p), broadcast)));
     }
   }
 
-  // 3. Values (widened once, in position order), then the output in the model's dtype.
+  // 3. Values (widened once, in position order): each query's sums into its partial row.
   const float* wide_values = widen_values<T, HD>(head, length, scratch.values);
   using Rows = void (*)(const float*, int64_t, const float*, int64_t, float*);
   static constexpr Rows kRows[kWeighRows + 1] = {nullptr, weigh_rows<HD, 1>, weigh_rows<HD, 2>,
@@ -251,31 +259,24 @@ void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
       const float* weights = scores + (i + r) * stride;
       float total = 0.0f;
       for (int64_t p = 0; p < length; ++p) total += weights[p];
-      const __m256 inverse = _mm256_set1_ps(1.0f / total);
-      float* out = result + r * HD;
-      for (int64_t d = 0; d < HD; d += 8) {
-        _mm256_store_ps(out + d, _mm256_mul_ps(_mm256_load_ps(out + d), inverse));
-      }
-      const int64_t query = i + r, j = query / group, k = query % group;
-      store_row(out, HD, problem.dtype, problem.out,
-                ((s * num_nodes + j) * problem.heads + g * group + k) * HD);
+      float* partial = partials + (i + r) * kWidth;
+      partial[1] = total;
+      std::copy(result + r * HD, result + (r + 1) * HD, partial + kPartialHeader);
     }
   }
 }
 
 }  // namespace
 
-bool attend_avx2(const AttentionProblem& problem, int64_t s, int64_t g) {
+void segment_avx2(const AttentionProblem& problem, int64_t s, int64_t g, int64_t first,
+                  int64_t end, float* partials) {
   const bool is_float = problem.dtype == Dtype::kFloat32;
-  switch (problem.head_dim) {
-    case 64:
-      is_float ? attend<float, 64>(problem, s, g) : attend<uint16_t, 64>(problem, s, g);
-      return true;
-    case 128:
-      is_float ? attend<float, 128>(problem, s, g) : attend<uint16_t, 128>(problem, s, g);
-      return true;
-    default:
-      return false;
+  if (problem.head_dim == 64) {
+    is_float ? segment_partials<float, 64>(problem, s, g, first, end, partials)
+             : segment_partials<uint16_t, 64>(problem, s, g, first, end, partials);
+  } else {
+    is_float ? segment_partials<float, 128>(problem, s, g, first, end, partials)
+             : segment_partials<uint16_t, 128>(problem, s, g, first, end, partials);
   }
 }
 

@@ -29,28 +29,52 @@ struct Scratch {
   std::vector<float> queries;  // [count, head_dim]
   std::vector<float> scores;  // [count, padded kv length]
   std::vector<float> keys;  // [16, head_dim] (bfloat16 keys widened)
-  std::vector<uint16_t> query_bits;  // scores_amx: [count padded to 16, head_dim] bfloat16
-  std::vector<uint32_t> key_pairs;  // scores_amx: a block of 16 keys as tiles of pairs
-  std::vector<uint32_t> query_pairs;  // scores_dpbf16: [HD / 2][queries padded to 16] pairs
+  // The queries as pairs of bfloat16 dimensions: scores_dpbf16's [HD / 2][queries padded to
+  // 16], scores_amx's tiles of 16 queries.
+  std::vector<uint32_t> query_pairs;
   std::vector<uint32_t> last_keys;  // scores_dpbf16: a last block of keys, padded with zeros
   std::vector<const void*> key_blocks, value_blocks;  // PagedHead's block pointers
 };
 
 inline PagedHead paged_head(const AttentionProblem& problem, int64_t s, int64_t g,
-                            int64_t length, Scratch& scratch) {
-  return paged_head(problem, s, g, length, scratch.key_blocks, scratch.value_blocks);
+                            int64_t first, int64_t end, Scratch& scratch) {
+  return paged_head(problem, s, g, first, end, scratch.key_blocks, scratch.value_blocks);
 }
 
 // The scores of the tree attention's pass 1 on other units (attention_scores_amx.cc,
-// attention_scores_dpbf16.cc): scores[i * stride + p] = <query i, key p>, unscaled, for the
-// group's queries of key head g of row s (node-major) and keys [0, length) of `head`; false for
-// a head size they do not implement (64 and 128 they do).
+// attention_scores_dpbf16.cc): <query i, key p>, unscaled, for the group's queries of key head g
+// of row s (node-major) and keys [0, length) of `head`, query-major (dpbf16: scores[i * stride +
+// p]) or key-major (amx: WeightRows says where); false for a head size they do not implement
+// (64 and 128 they do).
 bool scores_amx(const AttentionProblem& problem, int64_t s, int64_t g, const PagedHead& head,
                 int64_t length, int64_t stride, float* scores, Scratch& scratch);
 bool scores_dpbf16(const AttentionProblem& problem, int64_t s, int64_t g,
                    const PagedHead& head, int64_t length, int64_t stride, float* scores,
                    Scratch& scratch);
 namespace {
+
+// How far ahead of pass 1 its keys are asked for: paged blocks of 16 positions hold one key
+// head's 2-4 KB, too short a run for the hardware's prefetcher to follow.
+constexpr int64_t kKeysAhead = 64;
+
+// Asks for the run of sixteen positions kKeysAhead on from p0 (of `length`), of the keys
+// (pass 1) or the values (pass 3), into the first cache.
+template <typename T, int64_t HD>
+inline void prefetch_run(const T* (PagedHead::*at)(int64_t) const, const PagedHead& head,
+                         int64_t p0, int64_t length) {
+  constexpr int64_t kRunBytes = 16 * HD * static_cast<int64_t>(sizeof(T));
+  if (p0 + kKeysAhead >= length) return;
+  const char* run = reinterpret_cast<const char*>((head.*at)(p0 + kKeysAhead));
+  for (int64_t line = 0; line < kRunBytes; line += 64) _mm_prefetch(run + line, _MM_HINT_T0);
+}
+template <typename T, int64_t HD>
+inline void prefetch_keys(const PagedHead& head, int64_t p0, int64_t length) {
+  prefetch_run<T, HD>(&PagedHead::key<T>, head, p0, length);
+}
+template <typename T, int64_t HD>
+inline void prefetch_values(const PagedHead& head, int64_t p0, int64_t length) {
+  prefetch_run<T, HD>(&PagedHead::value<T>, head, p0, length);
+}
 
 // Lane k of the result: the sum of the sixteen lanes of v[k]. Every v[k] is summed by the same
 // tree of additions, whatever k.
@@ -96,14 +120,15 @@ inline __m512 exp16(__m512 x) {
 }
 
 // row[p] = exp(row[p] - max(row)) for a row of scores [length], a multiple of 16, whose hidden
-// keys hold -inf (and weigh exactly 0).
-inline void exp_from_maximum(float* row, int64_t length) {
+// keys hold -inf (and weigh exactly 0); returns the maximum.
+inline float exp_from_maximum(float* row, int64_t length) {
   __m512 top = _mm512_set1_ps(-INFINITY);
   for (int64_t p = 0; p < length; p += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + p));
   const __m512 maximum = _mm512_set1_ps(_mm512_reduce_max_ps(top));
   for (int64_t p = 0; p < length; p += 16) {
     _mm512_storeu_ps(row + p, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + p), maximum)));
   }
+  return _mm512_cvtss_f32(maximum);
 }
 
 // v[0..15] as a 16 x 16 matrix of rows, transposed in place: lane i of v[k] moves to lane k of
@@ -135,42 +160,64 @@ inline void transpose16(__m512* v) {
   }
 }
 
-// Pass 3 for queries [first, first + QT), dimensions [d0, d0 + DIMS) of the head (result points
-// at d0, its rows HD apart): out = sum_p w_p v_p / sum_p w_p over the positions [0, length) of
-// `head`, a block's run of positions at a time. Each output element is one sum over the
-// positions in order, whatever QT, DIMS and the blocks.
+// Where pass 2 leaves the weights: query-major (query i's row at scores + i * stride) or, from
+// the tile unit, key-major (per tile of 16 queries a [stride][16] block: query i's weight of
+// position p at scores[((i / 16) * stride + p) * 16 + i % 16]). stride: the segment's positions
+// padded to 16.
+struct WeightRows {
+  const float* scores;
+  int64_t stride;
+  bool key_major;
+
+  const float* row(int64_t i) const {
+    return key_major ? scores + ((i / 16) * stride) * 16 + i % 16 : scores + i * stride;
+  }
+  int64_t step() const { return key_major ? 16 : 1; }
+};
+
+// Pass 3 for queries [first, first + QT), dimensions [d0, d0 + DIMS) of the head: the sums
+// sum_p w_p v_p (into sums, which points at d0, its rows `width` apart) and sum_p w_p (into
+// totals[t * width], when d0 is 0) over the positions [0, length) of `head`, a block's run of
+// positions at a time. Each output element is one sum over the positions in order, whatever
+// QT, DIMS, the weights' layout and the blocks.
 template <typename T, int64_t HD, int64_t QT, int64_t DIMS>
-inline void weigh_values(const float* weights, int64_t stride, const PagedHead& head, int64_t d0,
-                         int64_t length, float* result) {
+inline void weigh_values(const WeightRows& weights, int64_t first, const PagedHead& head,
+                         int64_t d0, int64_t length, float* sums, float* totals, int64_t width) {
   constexpr int64_t kChunks = DIMS / 16;
+  const float* rows[QT];
+  const int64_t step = weights.step();
   __m512 acc[QT][kChunks];
-  float totals[QT];
+  float total[QT];
   for (int64_t t = 0; t < QT; ++t) {
-    totals[t] = 0.0f;
+    rows[t] = weights.row(first + t);
+    total[t] = 0.0f;
     for (int64_t c = 0; c < kChunks; ++c) acc[t][c] = _mm512_setzero_ps();
   }
-  for (int64_t start = 0; start < length; start += head.block_size) {
+  const bool ask = first == 0 && d0 == 0;  // the pass that reads the values from memory
+  for (int64_t start = 0; start < length;) {
     const T* values = head.value<T>(start) + d0;
-    const int64_t run = std::min(head.block_size, length - start);
-    const float* run_weights = weights + start;
-    for (int64_t p = 0; p < run; ++p) {
-      __m512 value[kChunks];
-      for (int64_t c = 0; c < kChunks; ++c) value[c] = load16<T>(values + p * HD + 16 * c);
-      for (int64_t t = 0; t < QT; ++t) {
-        const float weight = run_weights[t * stride + p];
-        totals[t] += weight;
-        const __m512 broadcast = _mm512_set1_ps(weight);
-        for (int64_t c = 0; c < kChunks; ++c) {
-          acc[t][c] = _mm512_fmadd_ps(broadcast, value[c], acc[t][c]);
+    const int64_t run = std::min(head.run_from(start), length - start);
+    for (int64_t p0 = 0; p0 < run; p0 += 16) {
+      if (ask) prefetch_values<T, HD>(head, start + p0, length);
+      const int64_t p1 = std::min<int64_t>(run, p0 + 16);
+      for (int64_t p = p0; p < p1; ++p) {
+        __m512 value[kChunks];
+        for (int64_t c = 0; c < kChunks; ++c) value[c] = load16<T>(values + p * HD + 16 * c);
+        for (int64_t t = 0; t < QT; ++t) {
+          const float weight = rows[t][(start + p) * step];
+          total[t] += weight;
+          const __m512 broadcast = _mm512_set1_ps(weight);
+          for (int64_t c = 0; c < kChunks; ++c) {
+            acc[t][c] = _mm512_fmadd_ps(broadcast, value[c], acc[t][c]);
+          }
         }
       }
     }
+    start += run;
   }
   for (int64_t t = 0; t < QT; ++t) {
-    const __m512 inverse = _mm512_set1_ps(1.0f / totals[t]);
-    for (int64_t c = 0; c < kChunks; ++c) {
-      _mm512_storeu_ps(result + t * HD + 16 * c, _mm512_mul_ps(acc[t][c], inverse));
-    }
+    if (d0 == 0) totals[t * width] = total[t];
+    for (int64_t c = 0; c < kChunks; ++c) _mm512_storeu_ps(sums + t * width + 16 * c, acc[t][c]);
   }
 }
 
@@ -182,45 +229,36 @@ constexpr int64_t kSliceDims = 64;
 constexpr int64_t kQueryTile = 6;
 
 template <typename T, int64_t HD, int64_t QT>
-inline void weigh_tile(const float* weights, int64_t stride, const PagedHead& head,
-                       int64_t length, float* result) {
+inline void weigh_tile(const WeightRows& weights, int64_t first, const PagedHead& head,
+                       int64_t length, float* partials) {
   static_assert(HD % kSliceDims == 0, "heads of a multiple of 64 dimensions");
+  constexpr int64_t kWidth = kPartialHeader + HD;
   for (int64_t d0 = 0; d0 < HD; d0 += kSliceDims) {
-    weigh_values<T, HD, QT, kSliceDims>(weights, stride, head, d0, length, result + d0);
+    weigh_values<T, HD, QT, kSliceDims>(weights, first, head, d0, length,
+                                        partials + kPartialHeader + d0, partials + 1, kWidth);
   }
 }
 
-// Pass 3 for `count` queries of key head g, node-major (query i: token first_token + i / group,
-// query head g * group + i % group), their weights rows of `scores` `stride` apart over keys
-// [0, length): out = the weighted values, a tile of queries at a time, in the model's dtype.
+// Pass 3 for `count` queries over the keys [0, length) of `head`: each query's sums into its
+// partial row (kPartialHeader + HD floats, the maximum left to the caller), a tile of queries
+// at a time.
 template <typename T, int64_t HD>
-void weigh_and_store(const AttentionProblem& problem, int64_t g, const float* scores,
-                     int64_t stride, int64_t count, const PagedHead& head, int64_t length,
-                     int64_t first_token) {
-  const int64_t group = problem.group();
-  float result[kQueryTile * HD];
-  const auto write = [&](int64_t first, int64_t tile) {
-    for (int64_t t = 0; t < tile; ++t) {
-      const int64_t query = first + t, j = query / group, k = query % group;
-      store_row(result + t * HD, HD, problem.dtype, problem.out,
-                ((first_token + j) * problem.heads + g * group + k) * HD);
-    }
-  };
+void weigh_partials(const WeightRows& weights, int64_t count, const PagedHead& head,
+                    int64_t length, float* partials) {
+  constexpr int64_t kWidth = kPartialHeader + HD;
   int64_t i = 0;
   for (; i + kQueryTile <= count; i += kQueryTile) {
-    weigh_tile<T, HD, kQueryTile>(scores + i * stride, stride, head, length, result);
-    write(i, kQueryTile);
+    weigh_tile<T, HD, kQueryTile>(weights, i, head, length, partials + i * kWidth);
   }
-  const float* rest = scores + i * stride;
+  float* out = partials + i * kWidth;
   switch (count - i) {  // the last 1-5 queries as one tile
-    case 5: weigh_tile<T, HD, 5>(rest, stride, head, length, result); break;
-    case 4: weigh_tile<T, HD, 4>(rest, stride, head, length, result); break;
-    case 3: weigh_tile<T, HD, 3>(rest, stride, head, length, result); break;
-    case 2: weigh_tile<T, HD, 2>(rest, stride, head, length, result); break;
-    case 1: weigh_tile<T, HD, 1>(rest, stride, head, length, result); break;
-    default: return;
+    case 5: weigh_tile<T, HD, 5>(weights, i, head, length, out); break;
+    case 4: weigh_tile<T, HD, 4>(weights, i, head, length, out); break;
+    case 3: weigh_tile<T, HD, 3>(weights, i, head, length, out); break;
+    case 2: weigh_tile<T, HD, 2>(weights, i, head, length, out); break;
+    case 1: weigh_tile<T, HD, 1>(weights, i, head, length, out); break;
+    default: break;
   }
-  write(i, count - i);
 }
 
 }  // namespace

@@ -16,58 +16,48 @@
 namespace sssd::kernels::detail {
 namespace {
 
-template <int64_t HD>
-void pack_pairs(const uint16_t* keys, int64_t first, int64_t length, uint32_t* out) {
-  const int64_t block = std::max<int64_t>(0, std::min<int64_t>(16, length - first));
-  const __mmask16 present = static_cast<__mmask16>((1u << block) - 1u);
-  const __m512i key_starts = _mm512_mullo_epi32(
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-      _mm512_set1_epi32(HD / 2));
-  const void* base = keys;  // position `first`
-  for (int64_t pair = 0; pair < HD / 2; ++pair) {
-    _mm512_storeu_si512(out + pair * 16, _mm512_mask_i32gather_epi32(
-        _mm512_setzero_si512(), present,
-        _mm512_add_epi32(key_starts, _mm512_set1_epi32(static_cast<int>(pair))), base, 4));
-  }
-}
-
-// The tree attention's pass 1 on the AMX tile unit: scores[i * stride + p] = <query i, key p>
-// (unscaled) for the `count` queries of key head g of row s (node-major) and keys [0, length);
-// queries past `count` (up to a multiple of 16) get rows of their own, which the caller sizes.
-// A block of 16 keys is rearranged once into the tile layout of pairs (dimensions 2r and
-// 2r + 1 of each key side by side); a key past `length` as zeros. Tiles (kTiles16x64): tmm0
-// the scores of 16 queries x 16 keys (float32), tmm1 16 queries x 32 dimensions (bfloat16),
-// tmm2 16 pairs of dimensions x 16 keys x 2 (bfloat16).
+// The tree attention's pass 1 on the AMX tile unit, key-major (WeightRows): for each tile of 16
+// queries t, scores[((t * stride) + p) * 16 + lane] = <query 16 t + lane, key p> (unscaled) for
+// the `count` queries of key head g of row s (node-major) and keys [0, length). Sixteen keys are
+// a tile as the cache holds them (key m's 32 dimensions of a span in row m, rows a key apart), and
+// sixteen queries a tile laid out once per call as pairs (row r: the dimensions 2r and 2r + 1 of
+// each query side by side), so each product is a tile of 16 keys x 16 queries, stored as it is:
+// the keys are neither rearranged nor the scores transposed. A block's keys past `length` are
+// whatever their slots hold: each score is its key's and query's product alone, and pass 2
+// gives those positions -inf. Lanes past `count` hold zero queries' scores, never read. Tiles
+// (kTiles16x64): tmm0 the 16 keys x 16 queries (float32), tmm1 16 keys x 32 dimensions, tmm2
+// 16 pairs of dimensions x 16 queries x 2 (bfloat16).
 template <int64_t HD>
 void tree_scores(const AttentionProblem& problem, int64_t s, int64_t g, const PagedHead& head,
                  int64_t length, int64_t stride, float* scores, Scratch& scratch) {
   constexpr int64_t kSpans = HD / 32;  // 32 dimensions (64 bytes) per tile row
+  constexpr int64_t kTileWords = 16 * 16;  // 32-bit words of a tile
   const int64_t group = problem.group(), num_nodes = problem.num_nodes;
   const int64_t count = group * num_nodes;
   const int64_t tiles = (count + 15) / 16;
-  scratch.query_bits.resize(tiles * 16 * HD);
-  scratch.key_pairs.resize(kSpans * 16 * 16);
-  uint16_t* query_bits = scratch.query_bits.data();
-  // The last tile's rows past `count`: zeros (their scores are never read).
-  std::memset(query_bits + count * HD, 0, (tiles * 16 - count) * HD * sizeof(uint16_t));
-  uint32_t* key_pairs = scratch.key_pairs.data();
-  const uint16_t* q = static_cast<const uint16_t*>(problem.q);
-  for (int64_t j = 0; j < num_nodes; ++j) {  // the group's heads are side by side in q
-    std::memcpy(query_bits + j * group * HD,
-                q + ((s * num_nodes + j) * problem.heads + g * group) * HD,
-                group * HD * sizeof(uint16_t));
+  // query_pairs[t][span][r][lane]: the pair r of the span's dimensions of query 16 t + lane;
+  // lanes past `count` zero (their scores are not stored).
+  scratch.query_pairs.assign(tiles * kSpans * kTileWords, 0u);
+  uint32_t* query_pairs = scratch.query_pairs.data();
+  const auto* q = static_cast<const uint32_t*>(problem.q);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t j = i / group, k = i % group;
+    const uint32_t* row = q + ((s * num_nodes + j) * problem.heads + g * group + k) * (HD / 2);
+    uint32_t* tile = query_pairs + (i / 16) * kSpans * kTileWords + i % 16;
+    for (int64_t r = 0; r < HD / 2; ++r) tile[(r / 16) * kTileWords + (r % 16) * 16] = row[r];
   }
   _tile_loadconfig(&kTiles16x64);
   for (int64_t p0 = 0; p0 < length; p0 += 16) {
-    pack_pairs<HD>(head.key<uint16_t>(p0), p0, length, key_pairs);
+    prefetch_keys<uint16_t, HD>(head, p0, length);
+    const uint16_t* keys = head.key<uint16_t>(p0);
     for (int64_t t = 0; t < tiles; ++t) {
       _tile_zero(0);
       for (int64_t span = 0; span < kSpans; ++span) {
-        _tile_loadd(1, query_bits + t * 16 * HD + span * 32, HD * sizeof(uint16_t));
-        _tile_loadd(2, key_pairs + span * 16 * 16, 64);
+        _tile_loadd(1, keys + span * 32, HD * sizeof(uint16_t));
+        _tile_loadd(2, query_pairs + (t * kSpans + span) * kTileWords, 64);
         _tile_dpbf16ps(0, 1, 2);
       }
-      _tile_stored(0, scores + t * 16 * stride + p0, stride * sizeof(float));
+      _tile_stored(0, scores + (t * stride + p0) * 16, 64);
     }
   }
   _tile_release();

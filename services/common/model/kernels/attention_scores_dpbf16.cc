@@ -39,6 +39,7 @@ void tree_scores(const AttentionProblem& problem, int64_t s, int64_t g, const Pa
   }
   scratch.last_keys.resize(16 * kPairs);
   for (int64_t p0 = 0; p0 < length; p0 += 16) {
+    prefetch_keys<uint16_t, HD>(head, p0, length);
     const auto* block = reinterpret_cast<const uint32_t*>(head.key<uint16_t>(p0));
     if (p0 + 16 > length) {  // the last, partial block: copied beside zero keys
       std::fill(scratch.last_keys.begin(), scratch.last_keys.end(), 0u);

@@ -54,8 +54,10 @@ void rope_and_store(const KvLayout& cache, int64_t layer, const StepRows& rows, 
 //   rows.cache_lens[s] cached positions;
 //   out [num_seqs, num_nodes, heads * head_dim].
 // Query head h reads key head h / (heads / kv_heads). Softmax in float32. The sums over keys run
-// in position order over the visible keys only, so a query's result depends on what it sees,
-// not on the batch, the tree's shape, its padding or the blocks that hold the keys. A prompt (or
+// in position order over the visible keys only (on the AVX-512 and AVX2 paths in segments of a
+// query's visible keys cut by rank, merged in order: attention.cc), so a query's result depends
+// on what it sees, not on the batch, the threads, the tree's shape, its padding or the blocks
+// that hold the keys. A prompt (or
 // a chunk of one) is a chain: in rows of up to kMaxTreeNodes tokens, each seeing the row's cached
 // positions and its own tokens before it, so a position's keys and values come out the same
 // bits whether it was prefilled or decoded.

@@ -86,36 +86,52 @@ struct AttentionProblem {
 
 // Positions [0, length) of one (row, key head) of the paged cache (kv_layout.h): the base of
 // each of its blocks, so that a run of positions within a block is read as one array.
+// A view of a range of the row's positions holds the blocks from the range's first one, whose
+// offset in its block is `origin` (a multiple of 16): the view's position p is that block's
+// position origin + p.
 struct PagedHead {
   const void* const* keys;    // [num_blocks] block i's first position, this head
   const void* const* values;
   int64_t block_size, head_dim;
+  int64_t origin = 0;
 
   template <typename T>
   const T* key(int64_t p) const {
+    p += origin;
     return static_cast<const T*>(keys[p / block_size]) + (p % block_size) * head_dim;
   }
   template <typename T>
   const T* value(int64_t p) const {
+    p += origin;
     return static_cast<const T*>(values[p / block_size]) + (p % block_size) * head_dim;
   }
+  // Positions from p to the end of p's block.
+  int64_t run_from(int64_t p) const { return block_size - (p + origin) % block_size; }
 };
 
-// Row s, key head g's first `length` positions, its block pointers kept in the two vectors.
+// Row s, key head g's positions [first, end) (first a multiple of 16), their blocks' pointers
+// kept in the two vectors.
 inline PagedHead paged_head(const AttentionProblem& problem, int64_t s, int64_t g,
-                            int64_t length, std::vector<const void*>& key_blocks,
+                            int64_t first, int64_t end, std::vector<const void*>& key_blocks,
                             std::vector<const void*>& value_blocks) {
   const int64_t size = problem.dtype == Dtype::kFloat32 ? 4 : 2;
-  const int64_t blocks = (length + problem.block_size - 1) / problem.block_size;
+  const int64_t bs = problem.block_size, start = first / bs;
+  const int64_t blocks = std::max<int64_t>(0, (end + bs - 1) / bs - start);
   key_blocks.resize(std::max<int64_t>(1, blocks));
   value_blocks.resize(std::max<int64_t>(1, blocks));
   for (int64_t i = 0; i < blocks; ++i) {
-    const int64_t offset = problem.offset(s, g, i * problem.block_size) * size;
+    const int64_t offset = problem.offset(s, g, (start + i) * bs) * size;
     key_blocks[i] = static_cast<const char*>(problem.key_cache) + offset;
     value_blocks[i] = static_cast<const char*>(problem.value_cache) + offset;
   }
-  return {key_blocks.data(), value_blocks.data(), problem.block_size,
-          problem.head_dim};
+  return {key_blocks.data(), value_blocks.data(), bs, problem.head_dim, first % bs};
+}
+
+// Row s, key head g's first `length` positions.
+inline PagedHead paged_head(const AttentionProblem& problem, int64_t s, int64_t g,
+                            int64_t length, std::vector<const void*>& key_blocks,
+                            std::vector<const void*>& value_blocks) {
+  return paged_head(problem, s, g, 0, length, key_blocks, value_blocks);
 }
 
 }  // namespace detail

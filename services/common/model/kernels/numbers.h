@@ -76,13 +76,21 @@ inline float exp_nonpositive(float x) {
 
 }  // namespace
 
-// The AVX-512 attention for one (row, key head) pair; false when it does not apply (head_dim
-// other than 64 or 128): the caller then runs the portable one.
-bool attend_avx512(const AttentionProblem& problem, int64_t s, int64_t g);
+// A query's partial result over one segment of its keys (attention.cc): the maximum of its
+// scores, the sum of its weights exp(score - maximum), then the sum of the weighted values, not
+// yet divided: kPartialHeader + head_dim floats.
+inline constexpr int64_t kPartialHeader = 2;
 
-// The AVX2 attention for one (row, key head) pair (attention_avx2.cc), for CPUs with AVX2 and FMA
-// but no AVX-512; false when it does not apply (head_dim other than 64 or 128).
-bool attend_avx2(const AttentionProblem& problem, int64_t s, int64_t g);
+// The attention's passes over the keys [first, end) of row s, key head g (first a multiple of
+// 16, end at most the row's cached keys and nodes), for the group's queries of every node
+// (node-major: query i is node i / group, head g * group + i % group): each query's partial
+// result into partials + i * (kPartialHeader + head_dim). With AVX-512
+// (tree_attention_avx512.cc) or AVX2 and FMA (attention_avx2.cc, CPUs without AVX-512); head_dim
+// 64 or 128 only.
+void segment_avx512(const AttentionProblem& problem, int64_t s, int64_t g, int64_t first,
+                    int64_t end, float* partials);
+void segment_avx2(const AttentionProblem& problem, int64_t s, int64_t g, int64_t first,
+                  int64_t end, float* partials);
 
 // The index of the first maximum of row [cols] of `dtype` (a NaN counts as the maximum), with
 // AVX-512 (argmax_avx512.cc); as argmax_rows' portable loop.

@@ -1,7 +1,8 @@
-// Tree attention with AVX-512 for one (row, key head) pair of a step: the group's queries of
-// every node against the row's cached keys and the step's own nodes.
+// Tree attention with AVX-512 over one segment of a (row, key head)'s keys (attention.cc cuts
+// a query's keys into segments and merges their partial results): the group's queries of every
+// node against the segment's cached keys and, in a query's last segment, the step's own nodes.
 //
-// Three passes over the keys, each reading them in position order:
+// Three passes over the segment's keys, each reading them in position order:
 // 1. scores: sixteen keys at a time, each dot product a vector of partial sums, the sixteen
 //    vectors reduced together (a transpose by shuffles) into one vector of scores; in bfloat16
 //    on the tile unit (attention_scores_amx.cc) or with AVX-512 BF16's dot products
@@ -9,14 +10,17 @@
 //    a function of its query and its key alone;
 // 2. the keys a node does not see get -inf, then per query the maximum and exp(score - max);
 // 3. values: a tile of queries accumulates weight * value over the positions in order, with the
-//    sum of the weights beside it, and divides at the end (attention_avx512.h).
+//    sum of the weights beside it (attention_avx512.h).
 // A key a query does not see weighs exactly 0, and every sum runs over positions in order, so a
-// query's result depends only on the keys it sees (not on the tree, the padding, the batch or
-// the cache's blocks). The paths' scores differ in the order of their sums, so a process uses
-// one of them throughout.
+// query's partial result depends only on the keys it sees in the segment (not on the tree, the
+// padding, the batch or the cache's blocks). The paths' scores differ in the order of their
+// sums, so a process uses one of them throughout. Pass 1 asks for the keys ahead of it and
+// pass 3 for the values ahead of it (attention_avx512.h): a paged block holds too short a run
+// for the hardware's prefetcher.
 //
 // Compiled with -mavx512f and its BW, DQ, VL extensions (CMakeLists.txt); called only where the
 // CPU has them.
+#include <algorithm>
 #include <cstring>
 
 #include "attention_avx512.h"
@@ -34,6 +38,7 @@ void vector_scores_of(const float* queries, int64_t count, const PagedHead& head
   constexpr int64_t kChunks = HD / 16;
   for (int64_t p0 = 0; p0 < length; p0 += 16) {
     const int64_t block = std::min<int64_t>(16, length - p0);
+    prefetch_keys<T, HD>(head, p0, length);
     const T* keys = head.key<T>(p0);  // 16 positions of one block of the cache
     const float* block_keys;
     if constexpr (sizeof(T) == sizeof(float)) {
@@ -66,14 +71,52 @@ void vector_scores_of(const float* queries, int64_t count, const PagedHead& head
   }
 }
 
+// Pass 2 over the tile unit's key-major scores (WeightRows) of keys [first, end) of row s:
+// scaled, the step's nodes a query does not see and the padding to `stride` at -inf, then per
+// query (a lane of its tile) the maximum, into its partial row, and exp(score - maximum).
+inline void weigh_key_major(const AttentionProblem& problem, int64_t s, int64_t first,
+                            int64_t end, int64_t count, __m512 scale, float* scores,
+                            int64_t stride, float* partials) {
+  const int64_t width = kPartialHeader + problem.head_dim, group = problem.group();
+  const int64_t cached = problem.cache_lens[s], length = end - first;
+  for (int64_t t = 0; t * 16 < count; ++t) {
+    float* block = scores + t * stride * 16;
+    for (int64_t p = 0; p < length; ++p) {
+      _mm512_storeu_ps(block + p * 16, _mm512_mul_ps(_mm512_loadu_ps(block + p * 16), scale));
+    }
+    const int64_t lanes = std::min<int64_t>(16, count - 16 * t);
+    for (int64_t p = std::max(first, cached); p < end; ++p) {
+      for (int64_t lane = 0; lane < lanes; ++lane) {
+        if (!problem.visible(s, (16 * t + lane) / group, p)) block[(p - first) * 16 + lane] =
+            -INFINITY;
+      }
+    }
+    const __m512 hidden = _mm512_set1_ps(-INFINITY);
+    for (int64_t p = length; p < stride; ++p) _mm512_storeu_ps(block + p * 16, hidden);
+    __m512 top = hidden;
+    for (int64_t p = 0; p < stride; ++p) top = _mm512_max_ps(top, _mm512_loadu_ps(block + p * 16));
+    for (int64_t p = 0; p < stride; ++p) {
+      _mm512_storeu_ps(block + p * 16, exp16(_mm512_sub_ps(_mm512_loadu_ps(block + p * 16), top)));
+    }
+    alignas(64) float maxima[16];
+    _mm512_store_ps(maxima, top);
+    for (int64_t lane = 0; lane < lanes; ++lane) partials[(16 * t + lane) * width] = maxima[lane];
+  }
+}
+
+// Passes 1-3 over the keys [first, end) of row s, key head g, for all the group's queries of
+// every node (node-major: i = j * group + k): each query's partial result into
+// partials + i * (kPartialHeader + HD). `first` is a multiple of 16.
 template <typename T, int64_t HD>
-void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
+void segment_partials(const AttentionProblem& problem, int64_t s, int64_t g, int64_t first,
+                      int64_t end, float* partials) {
   constexpr int64_t kChunks = HD / 16;
+  constexpr int64_t kWidth = kPartialHeader + HD;
   thread_local Scratch scratch;
   const int64_t group = problem.group(), num_nodes = problem.num_nodes;
-  const int64_t count = group * num_nodes;  // queries, node-major: i = j * group + k
+  const int64_t count = group * num_nodes;
   const int64_t cached = problem.cache_lens[s];
-  const int64_t length = cached + num_nodes;  // keys: the cache, then the step's nodes
+  const int64_t length = end - first;
   const int64_t stride = (length + 15) / 16 * 16;
   const bool amx = sizeof(T) == sizeof(uint16_t) && problem.amx;
   const bool dpbf16 = sizeof(T) == sizeof(uint16_t) && problem.dpbf16;  // never with amx
@@ -92,7 +135,7 @@ void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
                                                              load16<T>(source + 16 * c));
     }
   }
-  const PagedHead head = paged_head(problem, s, g, length, scratch);
+  const PagedHead head = paged_head(problem, s, g, first, end, scratch);
   const __m512 scale = _mm512_set1_ps(problem.scale);
 
   // 1. Scores, sixteen keys at a time (on the tile unit or with the dot products: scaled in
@@ -102,39 +145,43 @@ void attend(const AttentionProblem& problem, int64_t s, int64_t g) {
   if (vector_scores) vector_scores_of<T, HD>(queries, count, head, length, stride, scale,
                                              scores, scratch);
 
-  // 2. Masked keys, maximum, exp.
-  for (int64_t i = 0; i < count; ++i) {
-    float* row = scores + i * stride;
-    const int64_t j = i / group;
-    if (!vector_scores) {
-      for (int64_t p = 0; p < length; p += 16) {
-        _mm512_storeu_ps(row + p, _mm512_mul_ps(_mm512_loadu_ps(row + p), scale));
+  // 2. Masked keys, maximum, exp: elementwise, so the tile unit's key-major scores get the same
+  // weights as the same scores query-major would.
+  const WeightRows weights{scores, stride, amx};
+  if (amx) {
+    weigh_key_major(problem, s, first, end, count, scale, scores, stride, partials);
+  } else {
+    for (int64_t i = 0; i < count; ++i) {
+      float* row = scores + i * stride;
+      const int64_t j = i / group;
+      if (!vector_scores) {
+        for (int64_t p = 0; p < length; p += 16) {
+          _mm512_storeu_ps(row + p, _mm512_mul_ps(_mm512_loadu_ps(row + p), scale));
+        }
       }
+      for (int64_t t = std::max<int64_t>(0, first - cached); cached + t < end; ++t) {
+        if (!problem.visible(s, j, cached + t)) row[cached + t - first] = -INFINITY;
+      }
+      for (int64_t p = length; p < stride; ++p) row[p] = -INFINITY;
+      partials[i * kWidth] = exp_from_maximum(row, stride);
     }
-    for (int64_t t = 0; t < num_nodes; ++t) {
-      if (!problem.visible(s, j, cached + t)) row[cached + t] = -INFINITY;
-    }
-    for (int64_t p = length; p < stride; ++p) row[p] = -INFINITY;
-    exp_from_maximum(row, stride);
   }
 
-  // 3. Values, then the output in the model's dtype.
-  weigh_and_store<T, HD>(problem, g, scores, stride, count, head, length, s * num_nodes);
+  // 3. Values.
+  weigh_partials<T, HD>(weights, count, head, length, partials);
 }
 
 }  // namespace
 
-bool attend_avx512(const AttentionProblem& problem, int64_t s, int64_t g) {
+void segment_avx512(const AttentionProblem& problem, int64_t s, int64_t g, int64_t first,
+                    int64_t end, float* partials) {
   const bool is_float = problem.dtype == Dtype::kFloat32;
-  switch (problem.head_dim) {
-    case 64:
-      is_float ? attend<float, 64>(problem, s, g) : attend<uint16_t, 64>(problem, s, g);
-      return true;
-    case 128:
-      is_float ? attend<float, 128>(problem, s, g) : attend<uint16_t, 128>(problem, s, g);
-      return true;
-    default:
-      return false;
+  if (problem.head_dim == 64) {
+    is_float ? segment_partials<float, 64>(problem, s, g, first, end, partials)
+             : segment_partials<uint16_t, 64>(problem, s, g, first, end, partials);
+  } else {
+    is_float ? segment_partials<float, 128>(problem, s, g, first, end, partials)
+             : segment_partials<uint16_t, 128>(problem, s, g, first, end, partials);
   }
 }
 
