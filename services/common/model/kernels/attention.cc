@@ -96,9 +96,13 @@ void attend_portable(const AttentionProblem& problem, int64_t s, int64_t g) {
 // Keys per segment (a multiple of 16, so a segment starts where a sixteen-key run does).
 constexpr int64_t kSegment = 256;
 
-// The segments before a query's last one, for a query that sees `visible` keys.
+// The segments before a query's last one, for a query that sees `visible` keys: its last
+// segment keeps its last kMaxTreeNodes + 1 keys at least. Counting the one more makes the
+// queries of a prompt's row of 64 from a multiple of 64 cut their keys alike (visible - 65 runs
+// over [start - 64, start - 1], which no multiple of kSegment splits), so such a row needs no
+// second kind of last segment.
 int64_t segments_before(int64_t visible) {
-  return std::max<int64_t>(0, visible - kMaxTreeNodes) / kSegment;
+  return std::max<int64_t>(0, visible - kMaxTreeNodes - 1) / kSegment;
 }
 
 int64_t keys_seen(const AttentionProblem& problem, int64_t s, int64_t j) {
@@ -130,12 +134,20 @@ using Segment = void (*)(const AttentionProblem&, int64_t, int64_t, int64_t, int
 // Query i of row s, key head g: its segments' partials merged in order (each weighs
 // exp(its maximum - the largest)), the weighted values divided by the weighted sums, into the
 // output in the model's dtype.
-void merge_and_store(const AttentionProblem& problem, int64_t s, int64_t g, int64_t i,
-                     const float* const* parts, int64_t num_parts) {
+SSSD_CLONES void merge_and_store(const AttentionProblem& problem, int64_t s, int64_t g,
+                                 int64_t i, const float* const* parts, int64_t num_parts) {
   const int64_t head_dim = problem.head_dim;
+  const int64_t group = problem.group(), j = i / group, k = i % group;
+  const int64_t offset = ((s * problem.num_nodes + j) * problem.heads + g * group + k) * head_dim;
+  float result[128];  // head_dim 64 or 128 on the paths with segments
+  if (num_parts == 1) {  // what the general case computes with a factor of exactly 1
+    const float inverse = 1.0f / parts[0][1];
+    for (int64_t d = 0; d < head_dim; ++d) result[d] = parts[0][kPartialHeader + d] * inverse;
+    from_float(result, head_dim, problem.dtype, problem.out, offset);
+    return;
+  }
   float top = -INFINITY;
   for (int64_t n = 0; n < num_parts; ++n) top = std::max(top, parts[n][0]);
-  float result[128];  // head_dim 64 or 128 on the paths with segments
   float total = 0.0f;
   for (int64_t n = 0; n < num_parts; ++n) {
     const float factor = exp_nonpositive(parts[n][0] - top);
@@ -147,9 +159,7 @@ void merge_and_store(const AttentionProblem& problem, int64_t s, int64_t g, int6
   }
   const float inverse = 1.0f / total;
   for (int64_t d = 0; d < head_dim; ++d) result[d] *= inverse;
-  const int64_t group = problem.group(), j = i / group, k = i % group;
-  from_float(result, head_dim, problem.dtype, problem.out,
-             ((s * problem.num_nodes + j) * problem.heads + g * group + k) * head_dim);
+  from_float(result, head_dim, problem.dtype, problem.out, offset);
 }
 
 // Row s, key head g after its shared segments (their partials given): the last segment (and the

@@ -27,7 +27,8 @@ namespace sssd::kernels::detail {
 // Scratch of one thread, kept between calls.
 struct Scratch {
   std::vector<float> queries;  // [count, head_dim]
-  std::vector<float> scores;  // [count, padded kv length]
+  std::vector<float> scores;  // [count, padded kv length] (scores_amx: [tiles][length][16])
+  std::vector<float> weights;  // scores_amx's weights, query-major: [count, padded kv length]
   std::vector<float> keys;  // [16, head_dim] (bfloat16 keys widened)
   // The queries as pairs of bfloat16 dimensions: scores_dpbf16's [HD / 2][queries padded to
   // 16], scores_amx's tiles of 16 queries.
@@ -44,8 +45,8 @@ inline PagedHead paged_head(const AttentionProblem& problem, int64_t s, int64_t 
 // The scores of the tree attention's pass 1 on other units (attention_scores_amx.cc,
 // attention_scores_dpbf16.cc): <query i, key p>, unscaled, for the group's queries of key head g
 // of row s (node-major) and keys [0, length) of `head`, query-major (dpbf16: scores[i * stride +
-// p]) or key-major (amx: WeightRows says where); false for a head size they do not implement
-// (64 and 128 they do).
+// p]) or key-major (amx: scores[((i / 16) * stride + p) * 16 + i % 16]); false for a head size
+// they do not implement (64 and 128 they do).
 bool scores_amx(const AttentionProblem& problem, int64_t s, int64_t g, const PagedHead& head,
                 int64_t length, int64_t stride, float* scores, Scratch& scratch);
 bool scores_dpbf16(const AttentionProblem& problem, int64_t s, int64_t g,
@@ -160,32 +161,25 @@ inline void transpose16(__m512* v) {
   }
 }
 
-// Where pass 2 leaves the weights: query-major (query i's row at scores + i * stride) or, from
-// the tile unit, key-major (per tile of 16 queries a [stride][16] block: query i's weight of
-// position p at scores[((i / 16) * stride + p) * 16 + i % 16]). stride: the segment's positions
-// padded to 16.
+// Where pass 2 leaves the weights: query i's row of the segment's positions (padded to
+// `stride`, a multiple of 16) at scores + i * stride.
 struct WeightRows {
   const float* scores;
   int64_t stride;
-  bool key_major;
 
-  const float* row(int64_t i) const {
-    return key_major ? scores + ((i / 16) * stride) * 16 + i % 16 : scores + i * stride;
-  }
-  int64_t step() const { return key_major ? 16 : 1; }
+  const float* row(int64_t i) const { return scores + i * stride; }
 };
 
 // Pass 3 for queries [first, first + QT), dimensions [d0, d0 + DIMS) of the head: the sums
 // sum_p w_p v_p (into sums, which points at d0, its rows `width` apart) and sum_p w_p (into
 // totals[t * width], when d0 is 0) over the positions [0, length) of `head`, a block's run of
 // positions at a time. Each output element is one sum over the positions in order, whatever
-// QT, DIMS, the weights' layout and the blocks.
+// QT, DIMS and the blocks.
 template <typename T, int64_t HD, int64_t QT, int64_t DIMS>
 inline void weigh_values(const WeightRows& weights, int64_t first, const PagedHead& head,
                          int64_t d0, int64_t length, float* sums, float* totals, int64_t width) {
   constexpr int64_t kChunks = DIMS / 16;
   const float* rows[QT];
-  const int64_t step = weights.step();
   __m512 acc[QT][kChunks];
   float total[QT];
   for (int64_t t = 0; t < QT; ++t) {
@@ -204,7 +198,7 @@ inline void weigh_values(const WeightRows& weights, int64_t first, const PagedHe
         __m512 value[kChunks];
         for (int64_t c = 0; c < kChunks; ++c) value[c] = load16<T>(values + p * HD + 16 * c);
         for (int64_t t = 0; t < QT; ++t) {
-          const float weight = rows[t][(start + p) * step];
+          const float weight = rows[t][start + p];
           total[t] += weight;
           const __m512 broadcast = _mm512_set1_ps(weight);
           for (int64_t c = 0; c < kChunks; ++c) {

@@ -16,7 +16,7 @@
 namespace sssd::kernels::detail {
 namespace {
 
-// The tree attention's pass 1 on the AMX tile unit, key-major (WeightRows): for each tile of 16
+// The tree attention's pass 1 on the AMX tile unit, key-major: for each tile of 16
 // queries t, scores[((t * stride) + p) * 16 + lane] = <query 16 t + lane, key p> (unscaled) for
 // the `count` queries of key head g of row s (node-major) and keys [0, length). Sixteen keys are
 // a tile as the cache holds them (key m's 32 dimensions of a span in row m, rows a key apart), and
@@ -35,16 +35,24 @@ void tree_scores(const AttentionProblem& problem, int64_t s, int64_t g, const Pa
   const int64_t group = problem.group(), num_nodes = problem.num_nodes;
   const int64_t count = group * num_nodes;
   const int64_t tiles = (count + 15) / 16;
-  // query_pairs[t][span][r][lane]: the pair r of the span's dimensions of query 16 t + lane;
-  // lanes past `count` zero (their scores are not stored).
-  scratch.query_pairs.assign(tiles * kSpans * kTileWords, 0u);
-  uint32_t* query_pairs = scratch.query_pairs.data();
+  // query_pairs[t][span][r][lane]: the pair r of the span's dimensions of query 16 t + lane
+  // (lanes past `count` zero): the 16 queries' pairs of a span, one vector each, transposed.
+  scratch.query_pairs.resize(tiles * kSpans * kTileWords);
+  float* query_pairs = reinterpret_cast<float*>(scratch.query_pairs.data());
   const auto* q = static_cast<const uint32_t*>(problem.q);
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t j = i / group, k = i % group;
-    const uint32_t* row = q + ((s * num_nodes + j) * problem.heads + g * group + k) * (HD / 2);
-    uint32_t* tile = query_pairs + (i / 16) * kSpans * kTileWords + i % 16;
-    for (int64_t r = 0; r < HD / 2; ++r) tile[(r / 16) * kTileWords + (r % 16) * 16] = row[r];
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int64_t span = 0; span < kSpans; ++span) {
+      __m512 pairs[16];
+      for (int64_t lane = 0; lane < 16; ++lane) {
+        const int64_t i = 16 * t + lane, j = i / group, k = i % group;
+        pairs[lane] = i < count ? _mm512_loadu_ps(q + ((s * num_nodes + j) * problem.heads +
+                                                       g * group + k) * (HD / 2) + 16 * span)
+                                : _mm512_setzero_ps();
+      }
+      transpose16(pairs);  // moves bits only: pairs[r], lane k: query 16 t + k's pair r
+      float* tile = query_pairs + (t * kSpans + span) * kTileWords;
+      for (int64_t r = 0; r < 16; ++r) _mm512_storeu_ps(tile + 16 * r, pairs[r]);
+    }
   }
   _tile_loadconfig(&kTiles16x64);
   for (int64_t p0 = 0; p0 < length; p0 += 16) {

@@ -71,32 +71,54 @@ void vector_scores_of(const float* queries, int64_t count, const PagedHead& head
   }
 }
 
-// Pass 2 over the tile unit's key-major scores (WeightRows) of keys [first, end) of row s:
-// scaled, the step's nodes a query does not see and the padding to `stride` at -inf, then per
-// query (a lane of its tile) the maximum, into its partial row, and exp(score - maximum).
+// Pass 2 over the tile unit's key-major scores of keys [first, end) of row s: scaled, the step's
+// nodes a query does not see at -inf, then per query (a lane of its tile) the maximum, into its
+// partial row, and exp(score - maximum), transposed sixteen positions at a time into the
+// queries' rows of `weights` for pass 3 (which reads a query's weights in order). Elementwise,
+// so the weights are those of the same scores query-major.
 inline void weigh_key_major(const AttentionProblem& problem, int64_t s, int64_t first,
                             int64_t end, int64_t count, __m512 scale, float* scores,
-                            int64_t stride, float* partials) {
+                            int64_t stride, float* weights, float* partials) {
   const int64_t width = kPartialHeader + problem.head_dim, group = problem.group();
   const int64_t cached = problem.cache_lens[s], length = end - first;
+  const int64_t tail = std::max(first, cached) - first;  // the step's nodes from here on
+  const uint64_t* bits = problem.tree_bits + s * problem.num_nodes;
+  const __m512 hidden = _mm512_set1_ps(-INFINITY);
   for (int64_t t = 0; t * 16 < count; ++t) {
     float* block = scores + t * stride * 16;
-    for (int64_t p = 0; p < length; ++p) {
-      _mm512_storeu_ps(block + p * 16, _mm512_mul_ps(_mm512_loadu_ps(block + p * 16), scale));
-    }
     const int64_t lanes = std::min<int64_t>(16, count - 16 * t);
-    for (int64_t p = std::max(first, cached); p < end; ++p) {
-      for (int64_t lane = 0; lane < lanes; ++lane) {
-        if (!problem.visible(s, (16 * t + lane) / group, p)) block[(p - first) * 16 + lane] =
-            -INFINITY;
-      }
+    uint64_t seen[16];  // lane's node's tree bits (which of the step's nodes it sees)
+    for (int64_t lane = 0; lane < 16; ++lane) {
+      seen[lane] = lane < lanes ? bits[(16 * t + lane) / group] : ~uint64_t{0};
     }
-    const __m512 hidden = _mm512_set1_ps(-INFINITY);
-    for (int64_t p = length; p < stride; ++p) _mm512_storeu_ps(block + p * 16, hidden);
+    // Scaled, the nodes a lane does not see at -inf, and the lanes' maximum, in one pass.
     __m512 top = hidden;
-    for (int64_t p = 0; p < stride; ++p) top = _mm512_max_ps(top, _mm512_loadu_ps(block + p * 16));
-    for (int64_t p = 0; p < stride; ++p) {
-      _mm512_storeu_ps(block + p * 16, exp16(_mm512_sub_ps(_mm512_loadu_ps(block + p * 16), top)));
+    for (int64_t p = 0; p < length; ++p) {
+      __m512 row = _mm512_mul_ps(_mm512_loadu_ps(block + p * 16), scale);
+      if (p >= tail) {
+        const int64_t node = first + p - cached;
+        __mmask16 unseen = 0;
+        for (int64_t lane = 0; lane < 16; ++lane) {
+          unseen |= static_cast<__mmask16>((~seen[lane] >> node & 1u) << lane);
+        }
+        row = _mm512_mask_mov_ps(row, unseen, hidden);
+      }
+      _mm512_storeu_ps(block + p * 16, row);
+      top = _mm512_max_ps(top, row);
+    }
+    // exp(score - maximum), transposed sixteen positions at a time into the lanes' rows (the
+    // positions past `length` are never read).
+    for (int64_t p0 = 0; p0 < length; p0 += 16) {
+      __m512 rows[16];
+      for (int64_t k = 0; k < 16; ++k) {
+        rows[k] = p0 + k < length
+                      ? exp16(_mm512_sub_ps(_mm512_loadu_ps(block + (p0 + k) * 16), top))
+                      : _mm512_setzero_ps();
+      }
+      transpose16(rows);  // rows[lane]: query 16 t + lane's weights of the sixteen positions
+      for (int64_t lane = 0; lane < lanes; ++lane) {
+        _mm512_storeu_ps(weights + (16 * t + lane) * stride + p0, rows[lane]);
+      }
     }
     alignas(64) float maxima[16];
     _mm512_store_ps(maxima, top);
@@ -145,11 +167,11 @@ void segment_partials(const AttentionProblem& problem, int64_t s, int64_t g, int
   if (vector_scores) vector_scores_of<T, HD>(queries, count, head, length, stride, scale,
                                              scores, scratch);
 
-  // 2. Masked keys, maximum, exp: elementwise, so the tile unit's key-major scores get the same
-  // weights as the same scores query-major would.
-  const WeightRows weights{scores, stride, amx};
+  // 2. Masked keys, maximum, exp.
   if (amx) {
-    weigh_key_major(problem, s, first, end, count, scale, scores, stride, partials);
+    scratch.weights.resize(count * stride);
+    weigh_key_major(problem, s, first, end, count, scale, scores, stride,
+                    scratch.weights.data(), partials);
   } else {
     for (int64_t i = 0; i < count; ++i) {
       float* row = scores + i * stride;
@@ -168,6 +190,7 @@ void segment_partials(const AttentionProblem& problem, int64_t s, int64_t g, int
   }
 
   // 3. Values.
+  const WeightRows weights{amx ? scratch.weights.data() : scores, stride};
   weigh_partials<T, HD>(weights, count, head, length, partials);
 }
 
