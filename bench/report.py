@@ -340,6 +340,38 @@ AGENT_HEADER = ["model", "speculation", "sessions / calls", "max context", "prom
                 "speedup per call / overall", "same as off", "machine, results"]
 
 
+def attention_rows(source: Source) -> list[list[str]]:
+    """A decode_ab.py file (two builds of the kernels taking turns): one row per context, the
+    medians of each build's rounds."""
+    rows = source.rows()
+    labels = list(dict.fromkeys(r["kernels"] for r in rows))
+    if len(labels) != 2:
+        raise SystemExit(f"{source.path}: two builds of the kernels expected, got {labels}")
+    before, after = labels
+
+    def median(label: str, context: int, key: str) -> float:
+        return statistics.median(r[key] for r in rows
+                                 if r["kernels"] == label and r["context"] == context)
+
+    out = []
+    for context in sorted({r["context"] for r in rows}):
+        step = [median(label, context, "step_ms") for label in (before, after)]
+        ttft = [median(label, context, "ttft_s") for label in (before, after)]
+        out.append([source.model or "", f"{context:,}", f"{step[0]:.1f} / {step[1]:.1f}",
+                    _x(step[0] / step[1]),
+                    f"{median(before, context, 'step_over_floor'):.2f}x / "
+                    f"{median(after, context, 'step_over_floor'):.2f}x",
+                    f"{ttft[0]:.2f} / {ttft[1]:.2f}", _x(ttft[0] / ttft[1]), f"{after} "
+                    f"against {before}", source.where])
+    return out
+
+
+ATTENTION_HEADER = ["model", "context", "decode step ms (before / now)", "speedup",
+                    "step over its streaming floor (before / now)",
+                    "time to first token s (before / now)", "prefill speedup", "kernels",
+                    "machine, results"]
+
+
 @dataclass(frozen=True)
 class Claim:
     key: str
@@ -376,6 +408,13 @@ CLAIMS = (
           "by turn, whole-file code edits with speculation (the engine's measured budget "
           "policy; vLLM's `ngram` with k = 8), 64 streams at once.",
           LONG_CONTEXT_HEADER, long_context_rows),
+    Claim("attention", "Long-context attention by key segments",
+          "`decode_ab.py` of the results folder: plain decoding at b = 1, bfloat16, the "
+          "model's prefill (cold) and its decode step at each context on two builds of the "
+          "kernels taking turns in one run (medians of three rounds each), beside the step's "
+          "streaming floor (its weights and its keys and values at the speed the machine's "
+          "memory streams, measured in the same process).",
+          ATTENTION_HEADER, attention_rows),
     Claim("agent", "Agentic tool-calling sessions",
           "`bench/agent.py`: multi-turn tool-calling sessions through the `openai` SDK "
           "(`tool_choice: required`, strict schemas, an `answer` tool; tool results fed back, "
