@@ -143,33 +143,30 @@ def random_case(generator, dtype, heads, kv_heads, head_dim, num_seqs, num_nodes
 @pytest.mark.parametrize("num_seqs,num_nodes", [(1, 1), (3, 1), (2, 7), (1, 64)])
 def test_attention_matches_the_float64_reference(path, dtype, shape, num_seqs, num_nodes):
     skip_unless_it_applies(path, dtype)
-    heads, kv_heads, head_dim = shape
-    generator = torch.Generator().manual_seed(num_seqs * 100 + num_nodes)
-    q, keys, values, cache_lens, bits = random_case(generator, dtype, heads, kv_heads, head_dim,
-                                                    num_seqs, num_nodes)
-    scale = head_dim ** -0.5
-    out = run_attention(q, Paged(keys, values, 16, generator), cache_lens, bits, scale)
-    expected = reference_attention(q, keys, values, cache_lens, bits, scale)
-    assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype]
+    assert_matches_reference(dtype, shape, num_seqs, num_nodes, 160, num_seqs * 100 + num_nodes)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", [(9, 3, 64), (12, 2, 128)], ids=["smollm2", "qwen2.5-1.5b"])
-@pytest.mark.parametrize("capacity", [160, 1400], ids=["short", "long"])
 def test_attention_over_contexts_of_many_segments_matches_the_float64_reference(
-        path, dtype, shape, capacity):
-    """Contexts long enough that the AVX-512 attention cuts a query's keys into segments and
-    merges their partial results (short ones: a single segment)."""
+        path, dtype, shape):
+    """Contexts long enough (up to 1,400 keys) that the AVX-512 and AVX2 attention cut a
+    query's keys into segments and merge their partial results."""
     skip_unless_it_applies(path, dtype)
-    heads, kv_heads, head_dim = shape
     for num_seqs, num_nodes in ((1, 1), (1, 33), (2, 7)):
-        generator = torch.Generator().manual_seed(capacity + num_nodes)
-        q, keys, values, cache_lens, bits = random_case(
-            generator, dtype, heads, kv_heads, head_dim, num_seqs, num_nodes, capacity)
-        scale = head_dim ** -0.5
-        out = run_attention(q, Paged(keys, values, 16, generator), cache_lens, bits, scale)
-        expected = reference_attention(q, keys, values, cache_lens, bits, scale)
-        assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype]
+        assert_matches_reference(dtype, shape, num_seqs, num_nodes, 1400, 1400 + num_nodes)
+
+
+def assert_matches_reference(dtype, shape, num_seqs, num_nodes, capacity, seed):
+    """A random case of up to `capacity` keys a row against the float64 reference."""
+    heads, kv_heads, head_dim = shape
+    generator = torch.Generator().manual_seed(seed)
+    q, keys, values, cache_lens, bits = random_case(generator, dtype, heads, kv_heads, head_dim,
+                                                    num_seqs, num_nodes, capacity)
+    scale = head_dim ** -0.5
+    out = run_attention(q, Paged(keys, values, 16, generator), cache_lens, bits, scale)
+    expected = reference_attention(q, keys, values, cache_lens, bits, scale)
+    assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
