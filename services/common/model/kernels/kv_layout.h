@@ -127,12 +127,5 @@ inline PagedHead paged_head(const AttentionProblem& problem, int64_t s, int64_t 
   return {key_blocks.data(), value_blocks.data(), bs, problem.head_dim, first % bs};
 }
 
-// Row s, key head g's first `length` positions.
-inline PagedHead paged_head(const AttentionProblem& problem, int64_t s, int64_t g,
-                            int64_t length, std::vector<const void*>& key_blocks,
-                            std::vector<const void*>& value_blocks) {
-  return paged_head(problem, s, g, 0, length, key_blocks, value_blocks);
-}
-
 }  // namespace detail
 }  // namespace sssd::kernels
