@@ -333,5 +333,5 @@ def test_sigterm_reports_not_serving_and_exits_cleanly(config, spawn_service):
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         process.send_signal(signal.SIGTERM)
         assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
-    assert process.wait(timeout=TIMEOUT_S) == 0
+    assert process.wait(timeout=TIMEOUT_S) == 0, process.stderr.read()[-4000:]  # an abort says why
     assert "drafter stopped" in process.stderr.read()

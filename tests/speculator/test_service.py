@@ -248,5 +248,5 @@ def test_sigterm_drains_and_exits_cleanly(spawn_service):
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         process.send_signal(signal.SIGTERM)
         assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
-    assert process.wait(timeout=60) == 0
+    assert process.wait(timeout=60) == 0, process.stderr.read()[-4000:]  # an abort says why
     assert "speculator stopped" in process.stderr.read()
