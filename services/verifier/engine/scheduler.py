@@ -101,10 +101,17 @@ class Scheduler:
 
     def _admit(self, left: int) -> list[ChunkPlan]:
         """Admits waiting sequences, oldest first, while the batch, the token budget `left`
-        and the cache's blocks allow; returns their first chunks."""
+        and the cache's blocks allow; returns their first chunks. A sequence whose prompt
+        starts with blocks that a running one is still prefilling waits (first in line) until
+        they are computed, then takes them from the prefix cache: n choices of one prompt, or
+        requests with one system prompt arriving together, prefill it once."""
         plans = []
+        deferred: list[Sequence] = []
         while left > 0 and self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
+            if seq.prefilled is None and self._awaits_shared_blocks(seq):
+                deferred.append(self.waiting.popleft())
+                continue
             if seq.prefilled is not None:  # computed elsewhere: blocks for all of it, no tokens
                 if not self.blocks.ensure(seq.table, seq.num_tokens):
                     break
@@ -125,7 +132,33 @@ class Scheduler:
             self.running.append(seq)
             plans.append(ChunkPlan(seq, size))
             left -= size
+        self.waiting.extendleft(reversed(deferred))
         return plans
+
+    def _awaits_shared_blocks(self, seq: Sequence) -> bool:
+        """Whether a running, still prefilling sequence shares full blocks of `seq`'s prompt
+        that it has not computed yet (computing them twice would cost their tokens again)."""
+        if not self.blocks.enable_caching:
+            return False
+        size = self.blocks.block_size
+        usable = (seq.num_tokens - 1) // size  # the full blocks admit() could take
+        if usable == 0:
+            return False
+        token_ids = None
+        for other in self.running:
+            if other.is_prefilled:
+                continue  # its full blocks are registered: admit() finds them
+            computed = other.table.num_cached // size
+            if computed >= usable:
+                continue
+            token_ids = token_ids if token_ids is not None else seq.token_ids_from(0)
+            theirs = other.token_ids_from(0)
+            # the first block not yet computed is shared: every block before it is too
+            # (a block's key names its whole prefix), so one comparison of that prefix decides
+            end = (computed + 1) * size
+            if len(theirs) >= end and theirs[:end] == token_ids[:end]:
+                return True
+        return False
 
     def preempt(self, seq: Sequence) -> None:
         """Stops a running sequence and queues it first, to be computed again from its prompt

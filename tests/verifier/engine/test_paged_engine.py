@@ -108,6 +108,67 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(target_model_f
         whole.close()
 
 
+def counting_prompt_tokens(engine):
+    """Wraps the engine's forward pass; returns a list that sums the prompt tokens it computes."""
+    computed = [0]
+    forward = engine.runner.forward
+
+    def counted(tree_rows, chunks):
+        computed[0] += sum(len(chunk.token_ids) for chunk in chunks)
+        return forward(tree_rows, chunks)
+
+    engine.runner.forward = counted
+    return computed
+
+
+@pytest.mark.parametrize("chunk", [512, 64])
+def test_choices_of_one_prompt_prefill_it_once(chunk, target_model_fp32, mt_bench_prompts):
+    """Four seeded samples of one prompt arriving together (an API request with n = 4): the
+    first computes the prompt, in one chunk or several, while the others wait for its blocks
+    and take them from the prefix cache; each answer is the one an engine without a prefix
+    cache samples with its seed. A different prompt arriving with them does not wait."""
+    from sssd.verifier.engine.request import SamplingParams
+
+    prompt = tuple(mt_bench_prompts[0]) * 3  # about 180 tokens: several chunks of 64
+    # no chat template: nothing in common with the prompt (a shared system prompt would be)
+    other = tuple(target_model_fp32.tokenizer.encode(
+        "Write a short poem about the sea and the ships that sail on it."))
+    requests = [GenerateRequest(prompt, 12, SamplingParams(temperature=1.0, seed=7 + i))
+                for i in range(4)] + [GenerateRequest(other, 12, ignore_eos=True)]
+    engine = paged_engine(target_model_fp32, max_batch_size=5, chunk=chunk)
+    computed = counting_prompt_tokens(engine)
+    try:
+        sequences = [engine.add_request(request) for request in requests]
+        engine.step()
+        first_tokens = [len(seq.output_ids) for seq in sequences]
+        while engine.has_work():
+            engine.step()
+    finally:
+        engine.close()
+    shared = (len(prompt) - 1) // 16 * 16  # the prompt's full blocks before its last token
+    assert [seq.num_cached_tokens for seq in sequences[:4]] == [0] + [shared] * 3
+    assert computed[0] == len(prompt) + 3 * (len(prompt) - shared) + len(other)
+    # the first step: where the step's token budget holds the whole prompt, the first choice's
+    # and the other prompt's, which does not wait for the choices' blocks
+    fits = int(chunk > len(prompt) + len(other))
+    assert first_tokens == [fits] + [0] * 3 + [fits]
+    fresh = paged_engine(target_model_fp32, max_batch_size=5, caching=False)
+    fresh_computed = counting_prompt_tokens(fresh)
+    try:
+        assert run(fresh, requests) == [seq.output_ids for seq in sequences]
+    finally:
+        fresh.close()
+    assert fresh_computed[0] == 4 * len(prompt) + len(other)  # without the cache: no waiting
+    assert len({tuple(seq.output_ids) for seq in sequences[:4]}) > 1  # seeds differ
+
+
+def common_blocks(a, b, size=16):
+    """The full blocks of 16 that prompt `a` can take from prompt `b`'s in the prefix cache."""
+    usable = min(len(a) - 1, len(b)) // size
+    return next((i for i in range(usable)
+                 if a[i * size:(i + 1) * size] != b[i * size:(i + 1) * size]), usable)
+
+
 def test_a_full_cache_preempts_the_youngest_and_every_request_completes(
         target_model_fp32, mt_bench_prompts, greedy_references):
     """A cache that admits three of four requests but cannot grow all three to their answers'
@@ -117,9 +178,15 @@ def test_a_full_cache_preempts_the_youngest_and_every_request_completes(
 
     new = len(greedy_references[0])
     requests = [GenerateRequest(tuple(mt_bench_prompts[i]), new) for i in range(4)]
-    # Exactly the blocks the first three take on admission (a prompt and its chunk's padding):
-    # the first of them to need one more preempts the youngest.
-    admitted = sum(-(-(len(r.prompt_ids) + CHUNK_PADDING) // 16) for r in requests[:3])
+    # Exactly the blocks the first three take on admission (a prompt and its chunk's padding,
+    # less the chat template's blocks the second and third take from the first's, which they
+    # wait for): the first of them to need one more preempts the youngest.
+    def taken(prompt):
+        return -(-(len(prompt) + CHUNK_PADDING) // 16)
+
+    first = requests[0].prompt_ids
+    admitted = taken(first) + sum(taken(r.prompt_ids) - common_blocks(r.prompt_ids, first)
+                                  for r in requests[1:3])
     engine = paged_engine(target_model_fp32, num_blocks=admitted)
     try:
         outputs = run(engine, requests)
