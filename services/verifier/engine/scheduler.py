@@ -101,10 +101,10 @@ class Scheduler:
 
     def _admit(self, left: int) -> list[ChunkPlan]:
         """Admits waiting sequences, oldest first, while the batch, the token budget `left`
-        and the cache's blocks allow; returns their first chunks. A sequence whose prompt
-        starts with blocks that a running one is still prefilling waits (first in line) until
-        they are computed, then takes them from the prefix cache: n choices of one prompt, or
-        requests with one system prompt arriving together, prefill it once."""
+        and the cache's blocks allow; returns their first chunks. A sequence that shares half
+        its prompt or more with one that is still prefilling it waits (first in line) until the
+        shared blocks are computed, then takes them from the prefix cache: the n choices of one
+        prompt, or requests with one long system prompt arriving together, prefill it once."""
         plans = []
         deferred: list[Sequence] = []
         while left > 0 and self.waiting and len(self.running) < self.max_batch_size:
@@ -136,26 +136,27 @@ class Scheduler:
         return plans
 
     def _awaits_shared_blocks(self, seq: Sequence) -> bool:
-        """Whether a running, still prefilling sequence shares full blocks of `seq`'s prompt
-        that it has not computed yet (computing them twice would cost their tokens again)."""
+        """Whether a running, still prefilling sequence shares at least half of `seq`'s prompt
+        in full blocks, some of them not computed yet. Waiting costs `seq` a step or a few; a
+        shared half saves it at least half its prefill (a short shared system prompt does not
+        hold a request back)."""
         if not self.blocks.enable_caching:
             return False
         size = self.blocks.block_size
         usable = (seq.num_tokens - 1) // size  # the full blocks admit() could take
-        if usable == 0:
-            return False
+        half = -(-seq.num_tokens // (2 * size))
         token_ids = None
         for other in self.running:
             if other.is_prefilled:
                 continue  # its full blocks are registered: admit() finds them
-            computed = other.table.num_cached // size
-            if computed >= usable:
+            # shared blocks up to the first one it has not computed, and half the prompt; a
+            # block's key names its whole prefix, so one comparison of that prefix decides
+            need = max(other.table.num_cached // size + 1, half)
+            if need > usable:
                 continue
+            end = need * size
             token_ids = token_ids if token_ids is not None else seq.token_ids_from(0)
             theirs = other.token_ids_from(0)
-            # the first block not yet computed is shared: every block before it is too
-            # (a block's key names its whole prefix), so one comparison of that prefix decides
-            end = (computed + 1) * size
             if len(theirs) >= end and theirs[:end] == token_ids[:end]:
                 return True
         return False

@@ -162,13 +162,6 @@ def test_choices_of_one_prompt_prefill_it_once(chunk, target_model_fp32, mt_benc
     assert len({tuple(seq.output_ids) for seq in sequences[:4]}) > 1  # seeds differ
 
 
-def common_blocks(a, b, size=16):
-    """The full blocks of 16 that prompt `a` can take from prompt `b`'s in the prefix cache."""
-    usable = min(len(a) - 1, len(b)) // size
-    return next((i for i in range(usable)
-                 if a[i * size:(i + 1) * size] != b[i * size:(i + 1) * size]), usable)
-
-
 def test_a_full_cache_preempts_the_youngest_and_every_request_completes(
         target_model_fp32, mt_bench_prompts, greedy_references):
     """A cache that admits three of four requests but cannot grow all three to their answers'
@@ -178,15 +171,9 @@ def test_a_full_cache_preempts_the_youngest_and_every_request_completes(
 
     new = len(greedy_references[0])
     requests = [GenerateRequest(tuple(mt_bench_prompts[i]), new) for i in range(4)]
-    # Exactly the blocks the first three take on admission (a prompt and its chunk's padding,
-    # less the chat template's blocks the second and third take from the first's, which they
-    # wait for): the first of them to need one more preempts the youngest.
-    def taken(prompt):
-        return -(-(len(prompt) + CHUNK_PADDING) // 16)
-
-    first = requests[0].prompt_ids
-    admitted = taken(first) + sum(taken(r.prompt_ids) - common_blocks(r.prompt_ids, first)
-                                  for r in requests[1:3])
+    # Exactly the blocks the first three take on admission (a prompt and its chunk's padding):
+    # the first of them to need one more preempts the youngest.
+    admitted = sum(-(-(len(r.prompt_ids) + CHUNK_PADDING) // 16) for r in requests[:3])
     engine = paged_engine(target_model_fp32, num_blocks=admitted)
     try:
         outputs = run(engine, requests)
