@@ -12,13 +12,13 @@ read_bytes streams this machine's memory (measured in the same process).
 build of an earlier commit, runs.sh), so both builds run the same Python. One JSON line per
 context."""
 import argparse
-import importlib.util
 import json
 import random
 import statistics
 import subprocess
-import sys
 import time
+
+from old_kernels import use_kernels  # beside this script
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--kernels", help="another build of sssd._kernels to load")
@@ -28,12 +28,7 @@ parser.add_argument("--label", default=subprocess.run(
 parser.add_argument("--contexts", default="300,2000,8000")
 args = parser.parse_args()
 if args.kernels:
-    import sssd
-    spec = importlib.util.spec_from_file_location("sssd._kernels", args.kernels)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sssd._kernels"] = module
-    spec.loader.exec_module(module)
-    sssd._kernels = module
+    use_kernels(args.kernels)
 
 import torch  # noqa: E402
 

@@ -9,12 +9,12 @@ line per cell: the median microseconds a layer over 5 rounds of 10 passes of the
         [--path amx] [--ring 8]
 """
 import argparse
-import importlib.util
 import json
 import statistics
 import subprocess
-import sys
 import time
+
+from old_kernels import use_kernels  # beside this script
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--kernels", help="another build of sssd._kernels to load")
@@ -25,12 +25,7 @@ parser.add_argument("--path", default="amx", help="amx, dpbf16, avx512 or avx2")
 parser.add_argument("--ring", type=int, default=8)
 args = parser.parse_args()
 if args.kernels:
-    import sssd
-    spec = importlib.util.spec_from_file_location("sssd._kernels", args.kernels)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sssd._kernels"] = module
-    spec.loader.exec_module(module)
-    sssd._kernels = module
+    use_kernels(args.kernels)
 
 import torch  # noqa: E402
 

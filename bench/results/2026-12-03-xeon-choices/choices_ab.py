@@ -27,21 +27,13 @@ def build(loaded, dtype: str, share: bool):
                                        reuse_acceptance=False), loaded)
     if not share:  # the scheduler before f1ed128: nobody waits for another's blocks
         engine.scheduler._awaits_shared_blocks = lambda seq: False
-    computed = [0]
-    forward = engine.runner.forward
-
-    def counted(tree_rows, chunks):
-        computed[0] += sum(len(chunk.token_ids) for chunk in chunks)
-        return forward(tree_rows, chunks)
-
-    engine.runner.forward = counted
-    return engine, computed
+    return engine
 
 
-def run(engine, computed, ids, n: int, max_tokens: int, seed: int) -> dict:
+def run(engine, ids, n: int, max_tokens: int, seed: int) -> dict:
     from sssd.verifier.engine.request import GenerateRequest, SamplingParams
 
-    computed[0] = 0
+    computed = engine.stats.num_prefill_tokens
     start = time.perf_counter()
     seqs = [engine.add_request(GenerateRequest(tuple(ids), max_tokens, SamplingParams(
         temperature=0.8, top_p=0.95, seed=seed + i))) for i in range(n)]
@@ -51,7 +43,8 @@ def run(engine, computed, ids, n: int, max_tokens: int, seed: int) -> dict:
         if first_token_s is None and all(seq.output_ids for seq in seqs):
             first_token_s = time.perf_counter() - start
     seconds = time.perf_counter() - start
-    return {"prompt_tokens": len(ids), "prompt_tokens_computed": computed[0],
+    return {"prompt_tokens": len(ids),
+            "prompt_tokens_computed": engine.stats.num_prefill_tokens - computed,
             "cached_tokens": [seq.num_cached_tokens for seq in seqs],
             "all_first_tokens_s": round(first_token_s, 3), "seconds": round(seconds, 3),
             "output_tokens": sum(len(seq.output_ids) for seq in seqs),
@@ -79,8 +72,7 @@ def main() -> None:
         order = ["shared", "concurrent"] if index % 2 == 0 else ["concurrent", "shared"]
         results = {}
         for arm in order:
-            engine, computed = engines[arm]
-            results[arm] = run(engine, computed, prompt["ids"], args.n, args.max_tokens,
+            results[arm] = run(engines[arm], prompt["ids"], args.n, args.max_tokens,
                                seed=1000 + index)
         same = results["shared"]["outputs"] == results["concurrent"]["outputs"]
         for arm in order:

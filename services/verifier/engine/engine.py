@@ -246,6 +246,7 @@ class Engine:
                 seq.is_prefilled = True
                 self._first_token(seq, next_logits, rows)
         prompt_tokens = sum(plan.num_tokens for plan in plans)
+        self.stats.num_prefill_tokens += prompt_tokens
         tokens = prompt_tokens + sum(tree.num_nodes for tree in trees)
         prefill_s = seconds * prompt_tokens / tokens
         return logits, seconds - prefill_s, prefill_s

@@ -52,6 +52,7 @@ class EngineStats:
     draft_s: float = 0.0  # time in the proposer
     verify_s: float = 0.0  # time in verification forwards
     prefill_s: float = 0.0
+    num_prefill_tokens: int = 0  # prompt tokens computed (not those taken from the prefix cache)
     num_draft_failures: int = 0  # steps decoded without speculation because the proposer failed
     num_draft_errors: int = 0  # proposer errors, NOT_FOUND (answered by a resend) included
     budget_counts: dict[int, int] = field(default_factory=dict)  # steps per chosen budget

@@ -145,19 +145,16 @@ class Scheduler:
         size = self.blocks.block_size
         usable = (seq.num_tokens - 1) // size  # the full blocks admit() could take
         half = -(-seq.num_tokens // (2 * size))
-        token_ids = None
+        prompt = seq.request.prompt_ids  # what is shared is a prompt's (a choice, a system prompt)
         for other in self.running:
             if other.is_prefilled:
                 continue  # its full blocks are registered: admit() finds them
             # shared blocks up to the first one it has not computed, and half the prompt; a
             # block's key names its whole prefix, so one comparison of that prefix decides
-            need = max(other.table.num_cached // size + 1, half)
-            if need > usable:
-                continue
-            end = need * size
-            token_ids = token_ids if token_ids is not None else seq.token_ids_from(0)
-            theirs = other.token_ids_from(0)
-            if len(theirs) >= end and theirs[:end] == token_ids[:end]:
+            end = max(other.table.num_cached // size + 1, half) * size
+            theirs = other.request.prompt_ids
+            if end <= min(usable * size, len(prompt), len(theirs)) and \
+                    theirs[:end] == prompt[:end]:
                 return True
         return False
 

@@ -108,19 +108,6 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(target_model_f
         whole.close()
 
 
-def counting_prompt_tokens(engine):
-    """Wraps the engine's forward pass; returns a list that sums the prompt tokens it computes."""
-    computed = [0]
-    forward = engine.runner.forward
-
-    def counted(tree_rows, chunks):
-        computed[0] += sum(len(chunk.token_ids) for chunk in chunks)
-        return forward(tree_rows, chunks)
-
-    engine.runner.forward = counted
-    return computed
-
-
 @pytest.mark.parametrize("chunk", [512, 64])
 def test_choices_of_one_prompt_prefill_it_once(chunk, target_model_fp32, mt_bench_prompts):
     """Four seeded samples of one prompt arriving together (an API request with n = 4): the
@@ -136,7 +123,6 @@ def test_choices_of_one_prompt_prefill_it_once(chunk, target_model_fp32, mt_benc
     requests = [GenerateRequest(prompt, 12, SamplingParams(temperature=1.0, seed=7 + i))
                 for i in range(4)] + [GenerateRequest(other, 12, ignore_eos=True)]
     engine = paged_engine(target_model_fp32, max_batch_size=5, chunk=chunk)
-    computed = counting_prompt_tokens(engine)
     try:
         sequences = [engine.add_request(request) for request in requests]
         engine.step()
@@ -147,18 +133,18 @@ def test_choices_of_one_prompt_prefill_it_once(chunk, target_model_fp32, mt_benc
         engine.close()
     shared = (len(prompt) - 1) // 16 * 16  # the prompt's full blocks before its last token
     assert [seq.num_cached_tokens for seq in sequences[:4]] == [0] + [shared] * 3
-    assert computed[0] == len(prompt) + 3 * (len(prompt) - shared) + len(other)
+    assert engine.stats.num_prefill_tokens == len(prompt) + 3 * (len(prompt) - shared) + len(other)
     # the first step: where the step's token budget holds the whole prompt, the first choice's
     # and the other prompt's, which does not wait for the choices' blocks
     fits = int(chunk > len(prompt) + len(other))
     assert first_tokens == [fits] + [0] * 3 + [fits]
     fresh = paged_engine(target_model_fp32, max_batch_size=5, caching=False)
-    fresh_computed = counting_prompt_tokens(fresh)
     try:
         assert run(fresh, requests) == [seq.output_ids for seq in sequences]
     finally:
         fresh.close()
-    assert fresh_computed[0] == 4 * len(prompt) + len(other)  # without the cache: no waiting
+    # without the cache: no waiting
+    assert fresh.stats.num_prefill_tokens == 4 * len(prompt) + len(other)
     assert len({tuple(seq.output_ids) for seq in sequences[:4]}) > 1  # seeds differ
 
 
