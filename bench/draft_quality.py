@@ -32,6 +32,7 @@ Prints one JSON object per (set, datastore, config, budget):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import logging
@@ -55,7 +56,14 @@ def references(name: str, limit: int, max_tokens: int, dtype: str, batch_size: i
                model: str | None = None) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, greedy answer ids) of the set by `model` (None: the default), generated
     once and cached."""
+    from sssd.common.data.corpus import prompt_token_ids
+    from sssd.common.model.tokenizer import load_tokenizer
+
     prefix = "" if model is None else f"{Path(model).name}-"
+    tokenizer = load_tokenizer(model) if name.startswith("code-edits") else None
+    texts = prompt_texts(name, limit, tokenizer)
+    if tokenizer is not None:  # the files change with the code: the answers are per content
+        prefix += hashlib.sha256("\0".join(texts).encode()).hexdigest()[:12] + "-"
     path = REFERENCE_DIR / f"{prefix}{name}-{limit}-{max_tokens}-{dtype}.jsonl"
     if path.is_file():
         with open(path) as f:
@@ -63,13 +71,12 @@ def references(name: str, limit: int, max_tokens: int, dtype: str, batch_size: i
         return [(r["prompt_ids"], r["output_ids"]) for r in rows]
     from tqdm import tqdm
 
-    from sssd.common.data.corpus import prompt_token_ids
     from sssd.common.model.loader import load_causal_lm
     from sssd.verifier.engine import EngineConfig, GenerateRequest
     from sssd.verifier.factory import build_engine
 
     loaded = load_causal_lm(model, dtype)
-    prompts = [prompt_token_ids(loaded.tokenizer, text) for text in prompt_texts(name, limit)]
+    prompts = [prompt_token_ids(loaded.tokenizer, text) for text in texts]
     engine = build_engine(EngineConfig(mode="ar", dtype=dtype, max_batch_size=batch_size,
                                        max_len=max(map(len, prompts)) + max_tokens + 8), loaded)
     sequences = [engine.add_request(GenerateRequest(tuple(p), max_tokens)) for p in prompts]

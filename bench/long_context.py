@@ -47,14 +47,11 @@ from pathlib import Path
 
 from bench import flags
 from bench.engine_speed import VLLM_PYTHON, cpu_name, model_file
+from bench.prompt_sets import code_edits
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "long-context-result: "
 PARTS = ("lengths", "prefix", "turns", "code", "streams")
-EDITS = ("Add type hints to every function and method that lacks them. Return the complete "
-         "file, changed only where needed.",
-         "Add a one-line docstring to every function that has none. Return the complete file.",
-         "Rename every local variable called `i` to `index`. Return the complete file.")
 QUESTION_TOKENS = 64
 
 
@@ -63,18 +60,10 @@ QUESTION_TOKENS = 64
 def code_edit_prompts(tokenizer, limit: int, low: int = 2048, high: int = 16384) -> list[dict]:
     """Edit instructions over whole source files of this project, `low`-`high` tokens each."""
     prompts = []
-    for path in sorted((ROOT / "services").rglob("*.py")):
-        if "v1" in path.parts:  # generated code
-            continue
-        source = path.read_text()
-        instruction = EDITS[len(prompts) % len(EDITS)]
-        messages = [{"role": "user", "content": f"{instruction}\n\n```python\n{source}```"}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = list(getattr(ids, "input_ids", ids))
-        if low <= len(ids) <= high:
-            prompts.append({"file": str(path.relative_to(ROOT)), "ids": ids})
-        if len(prompts) == limit:
-            break
+    for file, text in code_edits(tokenizer, limit, low, high):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True)
+        prompts.append({"file": file, "ids": list(getattr(ids, "input_ids", ids))})
     return prompts
 
 
@@ -151,8 +140,10 @@ class EngineSystem:
         start = time.perf_counter()
         seq = self.engine.add_request(GenerateRequest(tuple(ids), max_tokens,
                                                       ignore_eos=ignore_eos))
+        self.last_steps = 0  # the request's engine steps (its prefill's included)
         while self.engine.has_work():
             self.engine.step()
+            self.last_steps += 1
         return time.perf_counter() - start, seq.output_ids
 
     def generate_batch(self, prompts: list[list[int]], max_tokens: int,
@@ -261,7 +252,8 @@ def run_parts(system, work: dict, args: argparse.Namespace, mode: str) -> list[d
             seconds, out = system.generate(prompt["ids"], args.code_tokens)
             rows.append({"part": "code", "file": prompt["file"], "prompt": len(prompt["ids"]),
                          "ttft_s": ttft, "tokens": len(out), "seconds": seconds,
-                         "tok_s": len(out) / seconds, "output": out})
+                         "tok_s": len(out) / seconds, "output": out,
+                         "steps": getattr(system, "last_steps", None)})
         for batch in (int(b) for b in args.code_batches.split(",") if int(b) > 1):
             for at in range(0, len(work["code"]) - batch + 1, batch):
                 group = work["code"][at:at + batch]  # each prompt cached by the b = 1 runs

@@ -31,7 +31,9 @@ SECTIONS = (
     ("RayConfig: prefill and decode workers", "`sssd serve --ray`, `sssd up`", RayConfig,
      SERVE_ENV),
     ("DrafterConfig: the drafter service", "`sssd-drafter`", DrafterConfig, DRAFTER_ENV),
-    ("DraftParams: the drafting algorithm's constants", "`sssd-drafter` (docs/algorithm.md)",
+    ("DraftParams: the drafting algorithm's constants",
+     "`sssd-drafter` (docs/algorithm.md), and from the environment by drafting in process (an "
+     "engine without `--drafter`)",
      DraftParams, DRAFTER_ENV),
     ("SpeculatorConfig: the speculator service", "`sssd-speculator`", SpeculatorConfig,
      SPECULATOR_ENV),

@@ -22,7 +22,8 @@ _CORE_DEFAULTS = _core.DrafterParams()
 @dataclass(frozen=True)
 class DraftParams:
     """Algorithm constants (docs/algorithm.md); the defaults are the C++ core's: the paper's
-    except branch_len and datastore_child_discount, tuned on held-out data."""
+    except branch_len and datastore_child_discount, tuned on held-out data, and the copy
+    source's, which the paper does not have."""
 
     prefix_len: int = option(_CORE_DEFAULTS.prefix_len,
                              "P: longest suffix of the sequence used as a lookup key")
@@ -45,6 +46,15 @@ class DraftParams:
     input_child_discount_per_match: float = option(
         _CORE_DEFAULTS.input_child_discount_per_match,
         "added to the input-trie child discount per matched token")
+    copy_min_match: int = option(
+        _CORE_DEFAULTS.copy_min_match,
+        "copy source: draft what followed the latest earlier occurrence of the last N or more "
+        "tokens as one chain (not in the paper); 0: off")
+    copy_len: int = option(_CORE_DEFAULTS.copy_len, "copy source: longest chain, tokens")
+    copy_discount: float = option(_CORE_DEFAULTS.copy_discount,
+                                  "copy source: first-level discount")
+    copy_child_discount: float = option(_CORE_DEFAULTS.copy_child_discount,
+                                        "copy source: discount per level below the first")
 
     def __post_init__(self) -> None:
         problem = self.to_core().validate()

@@ -38,6 +38,10 @@ class DraftParams:
     # input child discount = base + per_match * m
     input_child_discount_base: float = _DEFAULTS.input_child_discount_base
     input_child_discount_per_match: float = _DEFAULTS.input_child_discount_per_match
+    copy_min_match: int = _DEFAULTS.copy_min_match  # copy source (not in the paper); 0: off
+    copy_len: int = _DEFAULTS.copy_len  # longest copy chain
+    copy_discount: float = _DEFAULTS.copy_discount  # first level, copy chain
+    copy_child_discount: float = _DEFAULTS.copy_child_discount  # deeper, copy chain
 
     def __post_init__(self) -> None:
         if not 1 <= self.prefix_len <= 64:
@@ -61,6 +65,12 @@ class DraftParams:
         if largest > 1.0 + 1e-12:
             raise ValueError("input_child_discount_base + input_child_discount_per_match * "
                              f"prefix_len must be <= 1, got {largest}")
+        if not 0 <= self.copy_min_match <= 64:
+            raise ValueError("copy_min_match must be in [0, 64] (0: off)")
+        if not 1 <= self.copy_len <= 256:
+            raise ValueError("copy_len must be in [1, 256]")
+        if not all(0.0 < d <= 1.0 for d in (self.copy_discount, self.copy_child_discount)):
+            raise ValueError("copy discounts must be in (0, 1]")
 
 
 @dataclass
@@ -134,6 +144,25 @@ class InputTrie:
             if node is not None:
                 matches.append((node, m))
         return matches
+
+
+def copy_match(sequence: list[int], min_len: int, branch_len: int) -> tuple[int, int] | None:
+    """(end, m) of the copy source (docs/algorithm.md, Copy source): for m from
+    min(branch_len, len - 1) down to min_len, the latest end < len at which the last m tokens
+    occurred before; None if no such m."""
+    n = len(sequence)
+    for m in range(min(branch_len, n - 1), max(min_len, 1) - 1, -1):
+        for end in range(n - 1, m - 1, -1):
+            if sequence[end - m:end] == sequence[n - m:]:
+                return end, m
+    return None
+
+
+def copy_chain(sequence: list[int], params: DraftParams) -> list[int]:
+    """The copy source's tokens: what followed the copy match, at most copy_len; [] if none."""
+    found = (copy_match(sequence, params.copy_min_match, params.branch_len)
+             if params.copy_min_match > 0 else None)
+    return [] if found is None else sequence[found[0]:found[0] + params.copy_len]
 
 
 def build_trie(sequence: list[int], branch_len: int) -> InputTrie:
@@ -274,8 +303,9 @@ class Source:
 
 
 def make_sources(datastore_tree: CountNode | None, matches: list[tuple[CountNode, int]],
-                 params: DraftParams) -> list[Source]:
-    """The datastore tree if it has a child, then the input matches, longest first."""
+                 params: DraftParams, copy_tokens: list[int] = ()) -> list[Source]:
+    """The datastore tree if it has a child, then the input matches, longest first, then the
+    copy chain if it has a token."""
     sources = []
     if datastore_tree is not None and datastore_tree.children:
         sources.append(Source(datastore_tree, params.datastore_discount,
@@ -284,6 +314,11 @@ def make_sources(datastore_tree: CountNode | None, matches: list[tuple[CountNode
         child_discount = (params.input_child_discount_base
                           + params.input_child_discount_per_match * m)
         sources.append(Source(node, params.input_discount, child_discount, over_children=True))
+    if copy_tokens:
+        chain = CountNode(-1)
+        insert_path(chain, list(copy_tokens))
+        sources.append(Source(chain, params.copy_discount, params.copy_child_discount,
+                              over_children=True))
     return sources
 
 
@@ -341,4 +376,5 @@ def propose(sequence: list[int], shards: list[Shard], budget: int, params: Draft
         raise ValueError(f"budget must be >= 1, got {budget}")
     datastore_tree = collect(sequence, shards, params, weights) if shards else None
     matches = build_trie(sequence, params.branch_len).match(params.prefix_len)
-    return merge(make_sources(datastore_tree, matches, params), sequence[-1], budget)
+    copy_tokens = copy_chain(sequence, params) if budget > 1 else []
+    return merge(make_sources(datastore_tree, matches, params, copy_tokens), sequence[-1], budget)

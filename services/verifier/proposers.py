@@ -43,13 +43,18 @@ def _sssd_drafter(use_datastore: bool) -> ProposerFactory:
             remote = connect(config.drafter_target, timeout_s=config.drafter_timeout_s)
             _check_drafter_tokenizer(remote, config.drafter_target, loaded.fingerprint)
             return remote
-        from sssd.drafter.config import DrafterConfig
+        from sssd.common.config.flags import env_values
+        from sssd.drafter.config import ENV_PREFIX, DrafterConfig, DraftParams
         from sssd.drafter.drafter import LocalDrafter
 
         datastore_dir = config.datastore_dir if use_datastore else None
+        # The algorithm's constants as the drafter service reads them (SSSD_DRAFTER_*), so an
+        # engine drafting in process can be tuned as a drafter service can.
+        params = DraftParams(**env_values(DraftParams, ENV_PREFIX))
         return LocalDrafter(DrafterConfig(datastore_dir=datastore_dir,
                                           vocab_size=loaded.vocab_size,
-                                          tokenizer_fingerprint=loaded.fingerprint)).start()
+                                          tokenizer_fingerprint=loaded.fingerprint,
+                                          params=params)).start()
 
     return build
 

@@ -102,6 +102,65 @@ def test_budget_one_is_the_root_alone(core_shard, core_params):
                              params) == expected
 
 
+# Copy source (not in the paper) -------------------------------------------------------------------
+
+
+def test_copy_chain_goes_on_below_the_input_sources(core_params):
+    # Sequence 10..17 99 10 11 12. Copy key: m = 4 (99 10 11 12) occurred nowhere before, m = 3
+    # (10 11 12) ends at 3, so the chain is seq[3:9] = 13 14 15 16 17 99 at 0.9, then x 0.5 per
+    # level. The input sources (m = 2 and 1) draft 13 14 (15) at 0.6, 0.48 (0.294) from the
+    # windows of 4; the chain's 13, 14, 15 land on their nodes and go on below them.
+    params = reference.DraftParams(prefix_len=2, branch_len=4, copy_min_match=3, copy_len=6,
+                                   copy_discount=0.9, copy_child_discount=0.5)
+    sequence = [10, 11, 12, 13, 14, 15, 16, 17, 99, 10, 11, 12]
+    assert reference.copy_match(sequence, 3, 4) == (3, 3)
+    found = make_trie(sequence, 4).copy_match(3)
+    assert (found.end, found.match_len) == (3, 3)
+    copy_14 = 1.0 * 0.9 * 0.5
+    copy_15 = 1.0 * copy_14 * 0.5
+    copy_16 = 1.0 * copy_15 * 0.5
+    copy_17 = 1.0 * copy_16 * 0.5
+    copy_99 = 1.0 * copy_17 * 0.5
+    m2_14 = 1.0 * 0.6 * (0.6 + 0.1 * 2)
+    m1_15 = 1.0 * (1.0 * 0.6 * (0.6 + 0.1 * 1)) * (0.6 + 0.1 * 1)
+    expected = ([12, 13, 14, 15, 16, 17, 99], [-1, 0, 1, 2, 3, 4, 5],
+                float32([1.0, 0.9, m2_14, m1_15, copy_16, copy_17, copy_99]))
+    trie = make_trie(sequence, 4)
+    assert draft(None, trie, 10, params, core_params) == expected
+    assert reference.propose(sequence, [], 10, params) == expected
+    # Off, or a key longer than the trie's n-grams: the paper's tree, 3 deep.
+    for off in (dataclasses.replace(params, copy_min_match=0),
+                dataclasses.replace(params, copy_min_match=5)):
+        paper = ([12, 13, 14, 15], [-1, 0, 1, 2], float32([1.0, 0.6, m2_14, m1_15]))
+        assert draft(None, trie, 10, off, core_params) == paper
+        assert reference.propose(sequence, [], 10, off) == paper
+
+
+def test_a_long_copy_is_drafted_past_the_trie_windows(core_params):
+    # A 40-token span copied again: after its first 10 tokens, the chain holds the other 30 (and
+    # then what followed the span), where the input sources end 15 deep (the window of 16 that
+    # starts at the key of one token).
+    span = list(range(100, 140))
+    sequence = span + [7] + span[:10]
+    params = reference.DraftParams()
+    assert params.copy_min_match > 0 and params.copy_len >= 30
+    trie = make_trie(sequence, params.branch_len)
+
+    def depth_followed(draft_params):
+        token_ids, parents, _ = draft(None, trie, 64, draft_params, core_params)
+        node, depth = 0, 0
+        for token in span[10:]:
+            node = next((c for c in range(len(token_ids))
+                         if parents[c] == node and token_ids[c] == token), None)
+            if node is None:
+                break
+            depth += 1
+        return depth
+
+    assert depth_followed(params) == 30
+    assert depth_followed(dataclasses.replace(params, copy_min_match=0)) == params.branch_len - 1
+
+
 # Algorithm 2: datastore ---------------------------------------------------------------------------
 
 
@@ -291,6 +350,12 @@ def test_check_shard_detects_a_missing_final_separator(core_shard):
     {"input_discount": 1.5},
     {"datastore_child_discount": -0.1},
     {"input_child_discount_base": 0.7},  # 0.7 + 0.1 * 4 > 1
+    {"copy_min_match": -1},
+    {"copy_min_match": 65},
+    {"copy_len": 0},
+    {"copy_len": 257},
+    {"copy_discount": 0.0},
+    {"copy_child_discount": 1.5},
 ])
 def test_invalid_params_are_rejected_by_both(fields):
     core = _core.DrafterParams()

@@ -50,9 +50,10 @@ def draft_params(draw) -> reference.DraftParams:
     base_limit = 1.0 - per_match * prefix_len
     base = draw(st.one_of(st.sampled_from([base_limit, base_limit / 2]),
                           st.floats(min_value=0.05, max_value=1.0).map(lambda u: u * base_limit)))
+    branch_len = draw(st.integers(min_value=prefix_len, max_value=8))
     return reference.DraftParams(
         prefix_len=prefix_len,
-        branch_len=draw(st.integers(min_value=prefix_len, max_value=8)),
+        branch_len=branch_len,
         max_continuations=draw(st.integers(min_value=0, max_value=30)),
         min_continuations=draw(st.integers(min_value=0, max_value=60)),
         datastore_discount=draw(discounts(min_value=0.05)),
@@ -60,6 +61,11 @@ def draft_params(draw) -> reference.DraftParams:
         datastore_child_discount=draw(discounts(min_value=0.05)),
         input_child_discount_base=base,
         input_child_discount_per_match=per_match,
+        # 0 (off), every key length the trie holds, and one it cannot (finds nothing)
+        copy_min_match=draw(st.integers(min_value=0, max_value=branch_len + 1)),
+        copy_len=draw(st.integers(min_value=1, max_value=12)),
+        copy_discount=draw(discounts(min_value=0.05)),
+        copy_child_discount=draw(discounts(min_value=0.05)),
     )
 
 
@@ -125,12 +131,18 @@ def test_incremental_trie_equals_reference(data, core_tree):
     branch_len = data.draw(st.integers(min_value=1, max_value=8))
     prefix_len = data.draw(st.integers(min_value=1, max_value=min(4, branch_len)))
 
+    copy_min_len = data.draw(st.integers(min_value=1, max_value=branch_len + 1))
+
     trie = _core.InputTrie(branch_len)
     incremental = reference.InputTrie(branch_len)
     for chunk in data.draw(chunked(sequence)):
         trie.append(np.asarray(chunk, dtype=np.int32))
         incremental.append(chunk)
         assert trie.check() == ""
+        # The copy source's match follows the appends: each n-gram's latest two ends.
+        found = trie.copy_match(copy_min_len)
+        expected = reference.copy_match(incremental.tokens, copy_min_len, branch_len)
+        assert (found.end, found.match_len) == (expected or (-1, 0))
     rebuilt = reference.build_trie(sequence, branch_len)
 
     assert trie.tokens().tolist() == sequence

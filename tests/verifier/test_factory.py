@@ -111,3 +111,22 @@ def test_a_profile_of_another_processor_or_kernels_build_is_measured_again(
     assert factory.make_budget_policy(config, runner, model_name="m").profile.seconds.max() \
         < 3600.0
     assert json.loads(path.read_text())["setting"] == setting  # measured again and saved
+
+
+def test_drafting_in_process_reads_the_drafter_services_constants(target_model_fp32,
+                                                                   monkeypatch):
+    """An engine without a drafter service takes the algorithm's constants from SSSD_DRAFTER_*
+    as the service does; a bad value is refused naming the variable."""
+    from sssd.verifier.proposers import PROPOSERS
+
+    monkeypatch.setenv("SSSD_DRAFTER_COPY_MIN_MATCH", "5")
+    monkeypatch.setenv("SSSD_DRAFTER_INPUT_DISCOUNT", "0.5")
+    drafter = PROPOSERS["prompt_lookup"](EngineConfig(mode="prompt_lookup"), target_model_fp32)
+    try:
+        assert drafter.config.params.copy_min_match == 5
+        assert drafter.config.params.input_discount == 0.5
+    finally:
+        drafter.close()
+    monkeypatch.setenv("SSSD_DRAFTER_COPY_MIN_MATCH", "five")
+    with pytest.raises(ValueError, match="SSSD_DRAFTER_COPY_MIN_MATCH"):
+        PROPOSERS["prompt_lookup"](EngineConfig(mode="prompt_lookup"), target_model_fp32)

@@ -81,6 +81,10 @@ NB_MODULE(_core, m) {
       .def_rw("input_child_discount_base", &sssd::DrafterParams::input_child_discount_base)
       .def_rw("input_child_discount_per_match",
               &sssd::DrafterParams::input_child_discount_per_match)
+      .def_rw("copy_min_match", &sssd::DrafterParams::copy_min_match)
+      .def_rw("copy_len", &sssd::DrafterParams::copy_len)
+      .def_rw("copy_discount", &sssd::DrafterParams::copy_discount)
+      .def_rw("copy_child_discount", &sssd::DrafterParams::copy_child_discount)
       .def("validate", [](const sssd::DrafterParams& p) { return std::string(p.validate()); },
            "'' if every field is in range, else what is wrong.");
 
@@ -96,6 +100,9 @@ NB_MODULE(_core, m) {
           "tokens"_a, "Appends accepted tokens (int32 array) to the sequence.")
       .def("match", &sssd::InputTrie::match, "prefix_len"_a,
            "Algorithm 1: (node, match_len) for every suffix of the prefix found, longest first.")
+      .def("copy_match", &sssd::InputTrie::copy_match, "min_len"_a,
+           "The copy source's match: (end, match_len) of the latest earlier occurrence of the "
+           "longest suffix of at least min_len tokens; end -1 if none.")
       .def("tokens", [](const sssd::InputTrie& trie) {
         return to_numpy(std::vector<int32_t>(trie.tokens()));
       })
@@ -109,6 +116,10 @@ NB_MODULE(_core, m) {
   nb::class_<sssd::InputMatch>(m, "InputMatch")
       .def_ro("node", &sssd::InputMatch::node)
       .def_ro("match_len", &sssd::InputMatch::match_len);
+
+  nb::class_<sssd::CopyMatch>(m, "CopyMatch")
+      .def_ro("end", &sssd::CopyMatch::end)
+      .def_ro("match_len", &sssd::CopyMatch::match_len);
 
   nb::class_<BoundDatastore>(m, "Datastore")
       .def(

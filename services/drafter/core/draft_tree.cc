@@ -51,6 +51,13 @@ const char* DrafterParams::validate() const {
   if (input_child_discount_base + input_child_discount_per_match * prefix_len > 1.0 + 1e-12) {
     return "input_child_discount_base + input_child_discount_per_match * prefix_len must be <= 1";
   }
+  // Keys are the trie's n-grams, at most branch_len tokens: a larger copy_min_match finds none
+  // (a branch_len set below the default must not make the defaults invalid).
+  if (copy_min_match < 0 || copy_min_match > 64) return "copy_min_match must be in [0, 64] (0: off)";
+  if (copy_len < 1 || copy_len > 256) return "copy_len must be in [1, 256]";
+  for (double v : {copy_discount, copy_child_discount}) {
+    if (!(v > 0.0 && v <= 1.0)) return "copy discounts must be in (0, 1]";
+  }
   return "";
 }
 

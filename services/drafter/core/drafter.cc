@@ -11,6 +11,7 @@ namespace {
 // Per-thread memory reused across calls, so the hot path allocates little.
 struct Scratch {
   CountTree datastore_tree;
+  CountTree copy_chain;
   MergeScratch merge;
 };
 
@@ -38,8 +39,16 @@ void BatchDrafter::propose_one(const Datastore* datastore, const InputTrie& trie
     datastore_tree = &scratch.datastore_tree;
   }
   std::vector<InputMatch> matches;
-  if (budget > 1) matches = trie.match(params_.prefix_len);
-  const std::vector<MergeSource> sources = make_sources(datastore_tree, trie, matches, params_);
+  const CountTree* copy_chain = nullptr;
+  if (budget > 1) {
+    matches = trie.match(params_.prefix_len);
+    if (params_.copy_min_match > 0) {
+      build_copy_chain(trie, trie.copy_match(params_.copy_min_match), params_, scratch.copy_chain);
+      copy_chain = &scratch.copy_chain;
+    }
+  }
+  const std::vector<MergeSource> sources =
+      make_sources(datastore_tree, trie, matches, copy_chain, params_);
   merge_sources(sources, sequence.back(), budget, scratch.merge, out);
 }
 

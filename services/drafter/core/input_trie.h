@@ -17,6 +17,13 @@ struct InputMatch {
   int32_t match_len;
 };
 
+// The latest earlier occurrence of the sequence's longest suffix found (the copy source):
+// tokens()[end - match_len, end) equal the last match_len tokens, end < the sequence's length.
+struct CopyMatch {
+  int32_t end = -1;  // -1: none
+  int32_t match_len = 0;
+};
+
 class InputTrie {
  public:
   explicit InputTrie(int32_t branch_len);
@@ -27,6 +34,11 @@ class InputTrie {
 
   // Algorithm 1: every suffix of the last `prefix_len` tokens found in the trie, longest first.
   std::vector<InputMatch> match(int32_t prefix_len) const;
+
+  // The copy source's match (docs/algorithm.md, Copy source): for m from min(branch_len,
+  // length - 1) down to min_len, the suffix of m tokens, at the latest end before the sequence's
+  // own; none if no such m. min_len >= 1.
+  CopyMatch copy_match(int32_t min_len) const;
 
   const CountTree& tree() const { return tree_; }
   const std::vector<int32_t>& tokens() const { return tokens_; }
@@ -42,6 +54,11 @@ class InputTrie {
   std::vector<int32_t> tokens_;                          // the whole sequence
   // Windows still growing: (node where the window ends, its length), oldest first.
   std::vector<std::pair<int32_t, int32_t>> open_windows_;
+  // Per node: the end (one past the last token) of the n-gram's latest occurrence, and of the one
+  // before it, -1 if none. The latest is the sequence's own suffix when the n-gram ends it, so
+  // the one before is the earlier occurrence the copy source continues from.
+  std::vector<int32_t> last_end_;
+  std::vector<int32_t> previous_end_;
   std::mutex mutex_;
 };
 

@@ -37,9 +37,9 @@ int32_t insert_token(DraftTree& tree, int32_t parent, int32_t token, double prio
 
 std::vector<MergeSource> make_sources(const CountTree* datastore_tree, const InputTrie& trie,
                                       const std::vector<InputMatch>& matches,
-                                      const DrafterParams& params) {
+                                      const CountTree* copy_chain, const DrafterParams& params) {
   std::vector<MergeSource> sources;
-  sources.reserve(matches.size() + 1);
+  sources.reserve(matches.size() + 2);
   if (datastore_tree != nullptr && datastore_tree->node(0).first_child != -1) {
     sources.push_back(MergeSource{datastore_tree, 0, params.datastore_discount,
                                   params.datastore_child_discount});
@@ -50,7 +50,20 @@ std::vector<MergeSource> make_sources(const CountTree* datastore_tree, const Inp
         params.input_child_discount_base + params.input_child_discount_per_match * match.match_len,
         /*over_children=*/true});
   }
+  if (copy_chain != nullptr && copy_chain->node(0).first_child != -1) {
+    sources.push_back(MergeSource{copy_chain, 0, params.copy_discount, params.copy_child_discount,
+                                  /*over_children=*/true});
+  }
   return sources;
+}
+
+void build_copy_chain(const InputTrie& trie, const CopyMatch& match, const DrafterParams& params,
+                      CountTree& out) {
+  out.reset(-1);
+  if (match.end < 0) return;
+  const std::vector<int32_t>& tokens = trie.tokens();
+  const size_t stop = std::min(tokens.size(), static_cast<size_t>(match.end) + params.copy_len);
+  out.insert_path(std::span<const int32_t>(tokens.data() + match.end, stop - match.end));
 }
 
 void merge_sources(std::span<const MergeSource> sources, int32_t root_token, int32_t dec_len,

@@ -43,9 +43,15 @@ void merge_sources(std::span<const MergeSource> sources, int32_t root_token, int
                    MergeScratch& scratch, DraftTree& out);
 
 // The sources of one sequence in docs/algorithm.md order: the datastore tree (if it has children),
-// then the input matches, longest first.
+// then the input matches, longest first, then the copy chain (if it has a token).
 std::vector<MergeSource> make_sources(const CountTree* datastore_tree, const InputTrie& trie,
                                       const std::vector<InputMatch>& matches,
-                                      const DrafterParams& params);
+                                      const CountTree* copy_chain, const DrafterParams& params);
+
+// The copy source's chain (docs/algorithm.md, Copy source) as a tree of one path, counts 1: the
+// tokens that followed `match` in the trie's sequence, at most params.copy_len. Empty (the root
+// alone) without a match.
+void build_copy_chain(const InputTrie& trie, const CopyMatch& match, const DrafterParams& params,
+                      CountTree& out);
 
 }  // namespace sssd
