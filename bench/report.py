@@ -372,6 +372,28 @@ ATTENTION_HEADER = ["model", "context", "decode step ms (before / now)", "speedu
                     "machine, results"]
 
 
+def copy_rows(source: Source) -> list[list[str]]:
+    """A copy_ab.py file (each drafter without and with its copy source, taking turns with
+    plain decoding file by file): one row per drafter, its summary lines' medians."""
+    summaries = {r["summary"]: r for r in source.rows() if "summary" in r}
+    out = []
+    for mode, label in (("prompt_lookup", "prompt lookup"), ("sssd", "SSSD")):
+        before, after = summaries[f"{mode}-paper"], summaries[f"{mode}-copy"]
+        out.append([source.model or "", label, str(after["files"]),
+                    f"{summaries['ar']['median_tok_s']:.1f}",
+                    f"{before['median_tok_s']:.1f} / {after['median_tok_s']:.1f}",
+                    f"{_x(before['median_speedup'])} / {_x(after['median_speedup'])}",
+                    f"{before['tokens_per_step']:.2f} / {after['tokens_per_step']:.2f}",
+                    f"{before['same_as_ar'] + after['same_as_ar']} / "
+                    f"{before['files'] + after['files']}", source.where])
+    return out
+
+
+COPY_HEADER = ["model", "drafter", "files", "plain tok/s", "tok/s (without / with copy)",
+               "x plain (without / with)", "tokens/step (without / with)",
+               "answers equal to plain", "machine, results"]
+
+
 @dataclass(frozen=True)
 class Claim:
     key: str
@@ -408,6 +430,13 @@ CLAIMS = (
           "by turn, whole-file code edits with speculation (the engine's measured budget "
           "policy; vLLM's `ngram` with k = 8), 64 streams at once.",
           LONG_CONTEXT_HEADER, long_context_rows),
+    Claim("copy", "The drafter's copy source on whole-file code edits",
+          "`copy_ab.py` of the results folder: the long-context benchmark's code edits (an edit "
+          "instruction over a whole source file, 256 greedy tokens, b = 1, bfloat16), the "
+          "engine in process with each drafter without its copy source (the paper's trees) "
+          "and with it, taking turns with plain decoding file by file; medians over the "
+          "files, tokens/step over all of them.",
+          COPY_HEADER, copy_rows),
     Claim("attention", "Long-context attention by key segments",
           "`decode_ab.py` of the results folder: plain decoding at b = 1, bfloat16, the "
           "model's prefill (cold) and its decode step at each context on two builds of the "
