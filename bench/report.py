@@ -372,6 +372,47 @@ ATTENTION_HEADER = ["model", "context", "decode step ms (before / now)", "speedu
                     "machine, results"]
 
 
+def llamacpp_rows(source: Source) -> list[list[str]]:
+    """bench/llamacpp.py's lines: per measure, the engine beside llama.cpp's server (medians)."""
+    rows = [r for r in source.rows() if "system" in r]
+
+    def median(system: str, mode: str, part: str, value, where=lambda r: True):
+        values = [value(r) for r in rows if (r["system"], r["mode"], r["part"]) ==
+                  (system, mode, part) and where(r)]
+        return statistics.median(values) if values else None
+
+    out = []
+    for length in sorted({r["length"] for r in rows if r["part"] == "lengths"}):
+        at = lambda r, n=length: r["length"] == n  # noqa: E731
+        engine = median("engine", "ar", "lengths", lambda r: r["ttft_s"], at)
+        llama = median("llamacpp", "plain", "lengths", lambda r: r["ttft_s"], at)
+        out.append([f"time to first token, {length:,} tokens (s)", _n(engine, 2), _n(llama, 2),
+                    _x(llama / engine) if engine and llama else ""])
+        engine = median("engine", "ar", "lengths", lambda r: r["decode_tok_s"], at)
+        llama = median("llamacpp", "plain", "lengths", lambda r: r["decode_tok_s"], at)
+        out.append([f"decoding at {length:,} tokens of context (tok/s)", _n(engine), _n(llama),
+                    _x(engine / llama) if engine and llama else ""])
+    tok_s = lambda r: r["tok_s"]  # noqa: E731
+    plain = (median("engine", "ar", "code", tok_s), median("llamacpp", "plain", "code", tok_s))
+    for ours, theirs, name in (("ar", "plain", "plain"), ("sssd", "ngram",
+                                                          "SSSD (llama.cpp: ngram-simple)")):
+        engine = median("engine", ours, "code", tok_s)
+        llama = median("llamacpp", theirs, "code", tok_s)
+        if engine is None or llama is None:
+            continue
+        out.append([f"code edits, b = 1, {name}: tok/s (x own plain)",
+                    f"{engine:.1f} ({_x(engine / plain[0])})",
+                    f"{llama:.1f} ({_x(llama / plain[1])})", _x(engine / llama)])
+    weights = next((r["weights"] for r in source.rows() if "weights" in r), None)
+    if weights:
+        out.append(["weights read a step (MB)", f"{weights['engine_bytes'] / 1e6:.0f} (bfloat16)",
+                    f"{weights['gguf_bytes'] / 1e6:.0f} (the GGUF)", ""])
+    return [[source.model or "", *row, source.where] for row in out]
+
+
+LLAMACPP_HEADER = ["model", "measure", "engine", "llama.cpp", "engine's lead", "machine, results"]
+
+
 def copy_rows(source: Source) -> list[list[str]]:
     """A copy_ab.py file (each drafter without and with its copy source, taking turns with
     plain decoding file by file): one row per drafter, its summary lines' medians."""
@@ -430,6 +471,13 @@ CLAIMS = (
           "by turn, whole-file code edits with speculation (the engine's measured budget "
           "policy; vLLM's `ngram` with k = 8), 64 streams at once.",
           LONG_CONTEXT_HEADER, long_context_rows),
+    Claim("llamacpp", "llama.cpp's server beside the engine",
+          "`bench/llamacpp.py`: the same GGUF, llama.cpp on its quantized weights (Q4_1), the "
+          "engine on them dequantized to bfloat16; b = 1, medians. Time to first token of "
+          "random-token prompts (cold), decoding 64 tokens at that context, and the whole-file "
+          "code edits (256 greedy tokens from the cached prompt) plain and with each one's "
+          "n-gram speculation.",
+          LLAMACPP_HEADER, llamacpp_rows),
     Claim("copy", "The drafter's copy source on whole-file code edits",
           "`copy_ab.py` of the results folder: the long-context benchmark's code edits (an edit "
           "instruction over a whole source file, 256 greedy tokens, b = 1, bfloat16), the "
