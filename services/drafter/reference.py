@@ -303,7 +303,7 @@ class Source:
 
 
 def make_sources(datastore_tree: CountNode | None, matches: list[tuple[CountNode, int]],
-                 params: DraftParams, copy_tokens: list[int] = ()) -> list[Source]:
+                 params: DraftParams, copy_tokens: list[int] | None = None) -> list[Source]:
     """The datastore tree if it has a child, then the input matches, longest first, then the
     copy chain if it has a token."""
     sources = []
@@ -316,7 +316,7 @@ def make_sources(datastore_tree: CountNode | None, matches: list[tuple[CountNode
         sources.append(Source(node, params.input_discount, child_discount, over_children=True))
     if copy_tokens:
         chain = CountNode(-1)
-        insert_path(chain, list(copy_tokens))
+        insert_path(chain, copy_tokens)
         sources.append(Source(chain, params.copy_discount, params.copy_child_discount,
                               over_children=True))
     return sources
