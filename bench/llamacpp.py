@@ -10,9 +10,10 @@ is compared only within its own system. One server process per llama.cpp mode (`
 engine in this process per mode (`ar`, `sssd` with the datastore `sssd up` builds); the
 llama.cpp runs first, then the engine's, on the same prompts.
 
-- lengths: random-token prompts (as bench/long_context.py draws them), cold, to their first
-  token, median of `--repeats`; then decoding 64 tokens at that context (llama.cpp's own
-  `predicted_per_second`; the engine: the cached prompt to 65 tokens less to 1 token);
+- lengths (plain decoding only): random-token prompts (as bench/long_context.py draws them),
+  cold, to their first token, median of `--repeats`; then decoding 64 tokens at that context
+  (llama.cpp's own `predicted_per_second`; the engine: the cached prompt to 65 tokens less to 1
+  token);
 - code: bench/long_context.py's edit instructions over whole source files, 256 greedy tokens at
   b = 1 from the cached prompt (the tokens over the request's seconds less its prompt's).
 
@@ -87,7 +88,8 @@ def noise_prompts(tokenizer, lengths: list[int], repeats: int) -> dict[int, list
 def llama_rows(server: LlamaServer, mode: str, work: dict, args) -> list[dict]:
     rows = []
     server.complete(work["warmup"], 8, cache=False)
-    for length, prompts in work["lengths"].items():
+    # Decoding speed by context is plain decoding's: random tokens give n-gram drafts nothing.
+    for length, prompts in (work["lengths"] if mode == "plain" else {}).items():
         ttft = statistics.median(server.complete(p, 1, cache=False)[0] for p in prompts[1:])
         _, answer = server.complete(prompts[0], 64, cache=False, ignore_eos=True)
         timings = answer["timings"]
