@@ -106,12 +106,10 @@ def llama_rows(server: LlamaServer, mode: str, work: dict, args) -> list[dict]:
     return rows
 
 
-def engine_rows(system: EngineSystem, work: dict, args) -> list[dict]:
+def engine_rows(system: EngineSystem, mode: str, work: dict, args) -> list[dict]:
     rows = []
     system.generate(work["warmup"], 8)
-    for length, prompts in work["lengths"].items():
-        if system.engine.proposer is not None:  # decoding speed by context: plain only
-            break
+    for length, prompts in (work["lengths"] if mode == "ar" else {}).items():  # as llama_rows
         ttft = statistics.median(system.generate(p, 1)[0] for p in prompts[1:])
         system.generate(prompts[0], 1)
         first = statistics.median(system.generate(prompts[0], 1)[0] for _ in range(3))
@@ -171,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
             server.close()
     for mode in args.engine_modes.split(","):
         system = first if mode == "ar" else EngineSystem(engine_args, mode, 8192)
-        emit("engine", mode, engine_rows(system, work, args))
+        emit("engine", mode, engine_rows(system, mode, work, args))
     # What a plain step reads: the GGUF's quantized tensors against the engine's bfloat16 ones.
     weights = sum(p.numel() * p.element_size() for p in first.loaded.model.parameters())
     print(json.dumps({"weights": {"gguf_bytes": Path(gguf).stat().st_size,

@@ -59,12 +59,7 @@ QUESTION_TOKENS = 64
 
 def code_edit_prompts(tokenizer, limit: int, low: int = 2048, high: int = 16384) -> list[dict]:
     """Edit instructions over whole source files of this project, `low`-`high` tokens each."""
-    prompts = []
-    for file, text in code_edits(tokenizer, limit, low, high):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                            add_generation_prompt=True)
-        prompts.append({"file": file, "ids": list(getattr(ids, "input_ids", ids))})
-    return prompts
+    return [{"file": file, "ids": ids} for file, _, ids in code_edits(tokenizer, limit, low, high)]
 
 
 def conversations(limit: int, min_turns: int = 4, max_turns: int = 6) -> list[list[str]]:

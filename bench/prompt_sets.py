@@ -22,10 +22,11 @@ CODE_EDIT_FILES = 8  # the benchmark's files; the tuning set starts after them
 
 
 def code_edits(tokenizer, limit: int, low: int = 2048, high: int = 16384,
-               skip: int = 0) -> list[tuple[str, str]]:
-    """(file, user message) of edit instructions over whole source files of this project whose
-    prompt (the message through the chat template) holds `low`-`high` tokens, in path order,
-    the first `skip` of them left out. The files are this checkout's: the set follows the code."""
+               skip: int = 0) -> list[tuple[str, str, list[int]]]:
+    """(file, user message, prompt ids) of edit instructions over whole source files of this
+    project whose prompt (the message through the chat template) holds `low`-`high` tokens, in
+    path order, the first `skip` of them left out. The files are this checkout's: the set
+    follows the code."""
     found = []
     for path in sorted((ROOT / "services").rglob("*.py")):
         if "v1" in path.parts:  # generated code
@@ -34,8 +35,9 @@ def code_edits(tokenizer, limit: int, low: int = 2048, high: int = 16384,
         text = f"{instruction}\n\n```python\n{path.read_text()}```"
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                             add_generation_prompt=True)
-        if low <= len(getattr(ids, "input_ids", ids)) <= high:
-            found.append((str(path.relative_to(ROOT)), text))
+        ids = list(getattr(ids, "input_ids", ids))
+        if low <= len(ids) <= high:
+            found.append((str(path.relative_to(ROOT)), text, ids))
         if len(found) == skip + limit:
             break
     return found[skip:]
@@ -50,7 +52,7 @@ def prompt_texts(name: str, limit: int, tokenizer=None) -> list[str]:
         if tokenizer is None:
             raise SystemExit(f"prompt set {name!r} needs the model's tokenizer")
         skip = CODE_EDIT_FILES if name == "code-edits-tune" else 0
-        return [text for _, text in code_edits(tokenizer, limit, skip=skip)]
+        return [text for _, text, _ in code_edits(tokenizer, limit, skip=skip)]
     if name == "mt_bench":
         return first_turns(read_mt_bench())[:limit]
     if name == "code":

@@ -7,14 +7,15 @@ def test_the_tuning_files_come_after_the_benchmarks(tokenizer):
     benchmark = code_edits(tokenizer, CODE_EDIT_FILES)
     tuning = code_edits(tokenizer, 3, skip=CODE_EDIT_FILES)
     assert len(benchmark) == CODE_EDIT_FILES and len(tuning) == 3
-    assert not {f for f, _ in benchmark} & {f for f, _ in tuning}
-    assert [f for f, _ in code_edits(tokenizer, CODE_EDIT_FILES + 3)] == \
-        [f for f, _ in benchmark + tuning]
-    for _, text in benchmark + tuning:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                            add_generation_prompt=True)
-        assert 2048 <= len(getattr(ids, "input_ids", ids)) <= 16384
-    assert prompt_texts("code-edits-tune", 3, tokenizer) == [t for _, t in tuning]
+    assert not {f for f, _, _ in benchmark} & {f for f, _, _ in tuning}
+    assert [f for f, _, _ in code_edits(tokenizer, CODE_EDIT_FILES + 3)] == \
+        [f for f, _, _ in benchmark + tuning]
+    for _, text, ids in benchmark + tuning:
+        expected = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                 add_generation_prompt=True)
+        assert ids == list(getattr(expected, "input_ids", expected))
+        assert 2048 <= len(ids) <= 16384
+    assert prompt_texts("code-edits-tune", 3, tokenizer) == [t for _, t, _ in tuning]
 
 
 def test_a_code_edit_set_needs_the_tokenizer():
